@@ -1,0 +1,39 @@
+# kvpush: `make test` creates .venv, installs everything the suite needs, and runs it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test lint typecheck check bench explore long clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks
+	$(PY) -m mypy
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+# The long property run (>= 10,000 examples per state machine).
+long: $(STAMP)
+	KVPUSH_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_properties.py -p no:cacheprovider -o timeout=0
+
+explore: $(STAMP)
+	$(PY) -m kvpush.testing.explorer
+
+bench: $(STAMP)
+	$(PY) benchmarks/core_lifecycle.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

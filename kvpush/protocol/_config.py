@@ -1,0 +1,126 @@
+"""Endpoint configuration: identity, parallelism and the timing bounds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ._errors import ConfigError
+from ._messages import Hello
+from ._topology import MAX_RANKS
+from ._types import MAX_ID_LEN, Mode, Role
+
+__all__ = ("ConsumerConfig", "Identity", "ProducerConfig", "Timing")
+
+
+def _positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Bounds the safety argument rests on (docs/protocol.md, "Timing").
+
+    ``max_transit``: a control frame is delivered within this many seconds of
+    being sent, or never (the runtime drops older frames). ``op_bound``: a
+    posted write or read settles (lands or dies) within this many seconds.
+    """
+
+    max_transit: float = 2.0
+    op_bound: float = 10.0
+
+    def __post_init__(self) -> None:
+        _positive("max_transit", self.max_transit)
+        _positive("op_bound", self.op_bound)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What a peer learns about this endpoint at handshake."""
+
+    engine_id: str
+    instance: int
+    tp: int = 1
+    pp: int = 1
+    num_kv_heads: int = 8
+    mla: bool = False
+    kv_groups: int = 1
+    fingerprint: tuple[tuple[str, str], ...] = ()
+    modes: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL)
+
+    def __post_init__(self) -> None:
+        if not self.engine_id or len(self.engine_id.encode()) > MAX_ID_LEN:
+            raise ConfigError("engine_id must be a non-empty str of at most 256 bytes")
+        for name in ("tp", "pp"):
+            v = getattr(self, name)
+            if type(v) is not int or not 1 <= v <= MAX_RANKS:
+                raise ConfigError(f"{name} must be an int in [1, {MAX_RANKS}], got {v!r}")
+        if type(self.kv_groups) is not int or not 1 <= self.kv_groups <= 64:
+            raise ConfigError(f"kv_groups must be an int in [1, 64], got {self.kv_groups!r}")
+        if type(self.num_kv_heads) is not int or self.num_kv_heads < 1:
+            raise ConfigError(f"num_kv_heads must be a positive int, got {self.num_kv_heads!r}")
+        if not self.modes:
+            raise ConfigError("modes must name at least one mode")
+
+    def hello(self, role: Role, op_bound: float) -> Hello:
+        """The handshake message this identity sends."""
+        return Hello(
+            self.engine_id,
+            self.instance,
+            role,
+            self.tp,
+            self.pp,
+            self.num_kv_heads,
+            self.mla,
+            self.kv_groups,
+            op_bound,
+            self.fingerprint,
+            self.modes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    """Decode-side settings.
+
+    ``ready_timeout``: a reservation that is not ready this many seconds after
+    it was made fails. ``max_reserved_blocks``: budget over all reservations,
+    draining ones included (``None`` = unlimited). ``epoch_base``: epochs this
+    endpoint hands out start above it (use e.g. a start timestamp).
+    """
+
+    identity: Identity
+    timing: Timing = Timing()
+    ready_timeout: float = 30.0
+    max_reserved_blocks: int | None = None
+    epoch_base: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("ready_timeout", self.ready_timeout)
+        if self.max_reserved_blocks is not None and self.max_reserved_blocks < 0:
+            raise ConfigError("max_reserved_blocks must be >= 0 or None")
+        if self.epoch_base < 0:
+            raise ConfigError("epoch_base must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerConfig:
+    """Prefill-side settings.
+
+    ``kv_hold_timeout``: how long ready KV waits for a usable registration.
+    ``tombstone_ttl``: how long a released transfer keeps rejecting
+    registrations; must exceed ``timing.max_transit`` so that no delayed or
+    duplicated registration can revive it.
+    """
+
+    identity: Identity
+    timing: Timing = Timing()
+    kv_hold_timeout: float = 30.0
+    tombstone_ttl: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive("kv_hold_timeout", self.kv_hold_timeout)
+        _positive("tombstone_ttl", self.tombstone_ttl)
+        if self.tombstone_ttl <= self.timing.max_transit:
+            raise ConfigError("tombstone_ttl must exceed timing.max_transit")

@@ -1,0 +1,504 @@
+"""The decode-side endpoint: reservations, registration, per-rank completion.
+
+One :class:`Consumer` serves one decode instance (all its TP ranks). Each
+reservation is one (transfer, epoch) and moves through ``CONSUMER_PUSH`` or
+``CONSUMER_PULL`` in ``_tables.py``; this module only performs the side effects
+of those transitions.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from ._config import ConsumerConfig
+from ._endpoint import Endpoint
+from ._errors import LocalProtocolError
+from ._messages import (
+    Abort,
+    Announce,
+    Completion,
+    ControlMessage,
+    ReadDone,
+    Register,
+    Rejected,
+    Settled,
+    Withdraw,
+    WriteFailed,
+)
+from ._outputs import Failed, Ready, Released, Send, StartRead
+from ._tables import CONSUMER_PULL, CONSUMER_PUSH, CInput, CState, PeerState
+from ._timeline import Timeline, TimelineBuilder
+from ._topology import Topology
+from ._types import (
+    BlockIds,
+    FailureReason,
+    Mode,
+    Role,
+    Source,
+    check_blocks,
+    check_transfer_id,
+)
+
+__all__ = ("Consumer", "RefuseReason", "Refused", "Reserved")
+
+Pair = tuple[Source, int]
+
+
+class RefuseReason(enum.Enum):
+    """Why :meth:`Consumer.reserve` refused (act on it: retry later, or
+    prefill locally)."""
+
+    #: The reservation would exceed ``max_reserved_blocks``.
+    BUDGET = "budget"
+    #: The handshake with that producer failed; see :meth:`Consumer.peer`.
+    PEER_FAILED = "peer_failed"
+    #: The producer does not support the requested mode.
+    MODE_UNSUPPORTED = "mode_unsupported"
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """The reservation was made; ``epoch`` identifies it."""
+
+    transfer_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The reservation was refused; nothing was reserved."""
+
+    transfer_id: str
+    reason: RefuseReason
+
+
+#: Failure reason reported when a reservation fails on an input.
+_FAILURE = {
+    CInput.PEER_DOWN: FailureReason.PEER_LOST,
+    CInput.DEADLINE: FailureReason.TIMEOUT,
+    CInput.WRITE_FAILED: FailureReason.TRANSFER_FAILED,
+    CInput.PAIRS_SETTLED: FailureReason.TRANSFER_FAILED,
+    CInput.SETTLED: FailureReason.TRANSFER_FAILED,
+    CInput.REJECTED: FailureReason.REJECTED,
+    CInput.PEER_ABORT: FailureReason.PEER_ABORTED,
+    CInput.READ_FAILED: FailureReason.TRANSFER_FAILED,
+    CInput.READS_SETTLED: FailureReason.TRANSFER_FAILED,
+}
+
+#: States in which a reservation is still the transfer's live one.
+_LIVE = frozenset((CState.WAITING_PEER, CState.AWAITING, CState.READING))
+
+#: Timers each state keeps armed (everything else is cancelled on entry).
+_TIMERS: dict[CState, tuple[str, ...]] = {
+    CState.WAITING_PEER: ("deadline",),
+    CState.AWAITING: ("deadline",),
+    CState.READING: ("deadline", "op"),
+    CState.READ_DRAIN: ("op",),
+    CState.DRAINING: ("quarantine",),
+}
+
+
+@dataclass(slots=True, eq=False)
+class _Reservation:
+    transfer_id: str
+    epoch: int
+    peer: str
+    mode: Mode
+    blocks: BlockIds
+    nblocks: int
+    deadline: float
+    timeline: TimelineBuilder
+    state: CState = CState.WAITING_PEER
+    topology: Topology | None = None
+    done: set[Pair] = field(default_factory=set)
+    settled: set[Pair] = field(default_factory=set)
+    quarantine_at: float = 0.0
+    op_deadline: float = 0.0
+    failed: bool = False
+    #: Pull: what to tell the producer once our reads settle.
+    after_reads: CInput | None = None
+    timers: dict[str, float] = field(default_factory=dict)
+
+
+class Consumer(Endpoint):
+    """Decode-side protocol endpoint (sans-IO).
+
+    Feed it with :meth:`reserve`, :meth:`preempt`, :meth:`abort`,
+    :meth:`receive`, :meth:`completion_received`, :meth:`read_done`,
+    :meth:`peer_lost` and :meth:`handle_timer`; drain its actions and events
+    with :meth:`drain`.
+    """
+
+    role = Role.CONSUMER
+
+    def __init__(self, config: ConsumerConfig) -> None:
+        super().__init__(config.identity, config.timing.op_bound)
+        self.config = config
+        self._res: dict[tuple[str, int], _Reservation] = {}
+        self._live: dict[str, _Reservation] = {}
+        self._epoch = config.epoch_base
+        self._reserved_blocks = 0
+
+    # --- queries ------------------------------------------------------------
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks currently reserved, draining reservations included."""
+        return self._reserved_blocks
+
+    def reservations(self) -> list[tuple[str, int, CState]]:
+        """(transfer id, epoch, state) of every reservation not yet ended."""
+        return [(r.transfer_id, r.epoch, r.state) for r in self._res.values()]
+
+    def timeline(self, transfer_id: str) -> Timeline | None:
+        """The live reservation's timeline for ``transfer_id``, if any."""
+        rec = self._live.get(transfer_id)
+        return rec.timeline.freeze() if rec else None
+
+    # --- local inputs -------------------------------------------------------------
+
+    def reserve(
+        self,
+        now: float,
+        transfer_id: str,
+        peer: str,
+        blocks: Sequence[Sequence[int]],
+        *,
+        mode: Mode = Mode.PUSH,
+        deadline: float | None = None,
+    ) -> Reserved | Refused:
+        """Reserve ``blocks`` (ids per KV group) for ``transfer_id`` from producer
+        ``peer`` and register them once the handshake is done. Returns
+        :class:`Refused` instead of raising when the caller can act on it."""
+        check_transfer_id(transfer_id)
+        ids = check_blocks(blocks, self.identity.kv_groups)
+        if transfer_id in self._live:
+            raise LocalProtocolError(
+                f"transfer {transfer_id!r} already has a live reservation; preempt or abort it"
+            )
+        view = self._peers.get(peer)
+        if view is not None and view.state is PeerState.FAILED:
+            return Refused(transfer_id, RefuseReason.PEER_FAILED)
+        if mode not in self.identity.modes or (
+            view is not None and view.hello is not None and mode not in view.hello.modes
+        ):
+            return Refused(transfer_id, RefuseReason.MODE_UNSUPPORTED)
+        nblocks = sum(len(g) for g in ids)
+        budget = self.config.max_reserved_blocks
+        if budget is not None and self._reserved_blocks + nblocks > budget:
+            self._counters["refused_budget"] += 1
+            return Refused(transfer_id, RefuseReason.BUDGET)
+        self._epoch += 1
+        if deadline is None:
+            deadline = now + self.config.ready_timeout
+        elif deadline <= now:
+            raise LocalProtocolError("deadline must lie in the future")
+        rec = _Reservation(
+            transfer_id,
+            self._epoch,
+            peer,
+            mode,
+            ids,
+            nblocks,
+            deadline,
+            TimelineBuilder(transfer_id, self._epoch, reserved=now),
+        )
+        self._res[(transfer_id, rec.epoch)] = rec
+        self._live[transfer_id] = rec
+        self._reserved_blocks += nblocks
+        self._arm_for(rec)
+        if view is not None and view.state is PeerState.READY:
+            self._step(now, rec, CInput.PEER_READY)
+        elif view is None or view.state is PeerState.DISCONNECTED:
+            self.connect(now, peer)
+        return Reserved(transfer_id, rec.epoch)
+
+    def preempt(self, now: float, transfer_id: str) -> bool:
+        """Withdraw the live reservation of ``transfer_id`` (the request was
+        preempted); a later :meth:`reserve` makes a newer epoch. Its blocks come
+        back with :class:`Released` once no write can land. Returns whether there
+        was a live reservation."""
+        rec = self._live.get(transfer_id)
+        if rec is None:
+            self._counters["preempt_without_reservation"] += 1
+            return False
+        self._step(now, rec, CInput.PREEMPT)
+        return True
+
+    def abort(self, now: float, transfer_id: str) -> bool:
+        """Abort ``transfer_id``; harmless (returns False) if there is none."""
+        rec = self._live.get(transfer_id)
+        if rec is None:
+            self._counters["abort_without_reservation"] += 1
+            return False
+        self._step(now, rec, CInput.ABORT)
+        return True
+
+    def completion_received(self, now: float, notice: Completion) -> None:
+        """A data-plane completion notice arrived at consumer rank
+        ``notice.consumer_rank`` (its data is visible)."""
+        rec = self._res.get((notice.transfer_id, notice.epoch))
+        pair = self._valid_pair(rec, notice.source, notice.consumer_rank, "completion")
+        if rec is None or pair is None:
+            return
+        if rec.mode is not Mode.PUSH:
+            self._counters["completion_in_pull"] += 1
+            return
+        if pair in rec.settled:
+            self._counters["completion_duplicate"] += 1
+            return
+        rec.settled.add(pair)
+        rec.done.add(pair)
+        rec.timeline.write_done[pair] = now
+        total = self._total(rec)
+        if rec.state is CState.AWAITING:
+            last = len(rec.done) == total
+            self._step(now, rec, CInput.COMPLETION_LAST if last else CInput.COMPLETION)
+        else:
+            last = len(rec.settled) == total
+            self._step(now, rec, CInput.PAIRS_SETTLED if last else CInput.COMPLETION)
+
+    def read_done(
+        self,
+        now: float,
+        transfer_id: str,
+        epoch: int,
+        source: Source,
+        consumer_rank: int,
+        ok: bool,
+    ) -> None:
+        """Pull: the transport finished (``ok``) or failed one :class:`StartRead`."""
+        rec = self._res.get((transfer_id, epoch))
+        pair = self._valid_pair(rec, source, consumer_rank, "read")
+        if rec is None or pair is None:
+            return
+        if rec.state not in (CState.READING, CState.READ_DRAIN) or pair in rec.settled:
+            self._counters["read_result_late"] += 1
+            return
+        rec.settled.add(pair)
+        if ok:
+            rec.done.add(pair)
+            rec.timeline.write_done[pair] = now
+        total = self._total(rec)
+        if len(rec.settled) == total:
+            inp = CInput.READS_OK if len(rec.done) == total else CInput.READS_SETTLED
+            if rec.state is CState.READ_DRAIN:
+                inp = CInput.READS_SETTLED
+        else:
+            inp = CInput.READ_OK if ok else CInput.READ_FAILED
+        self._step(now, rec, inp)
+
+    # --- remote inputs --------------------------------------------------------------
+
+    def _on_message(self, now: float, peer: str, message: ControlMessage) -> None:
+        if isinstance(message, Abort):
+            rec = self._live.get(message.transfer_id)
+            if rec is None or rec.peer != peer:
+                self._counters["abort_stale"] += 1
+                return
+            self._step(now, rec, CInput.PEER_ABORT, remote=True)
+            return
+        if not isinstance(message, (Settled, Rejected, WriteFailed, Announce)):
+            self._counters[f"unexpected_{type(message).__name__}"] += 1
+            return
+        rec = self._res.get((message.transfer_id, message.epoch))
+        if rec is None or rec.peer != peer:
+            self._counters[f"stale_{type(message).__name__}"] += 1
+            return
+        if isinstance(message, Settled):
+            self._step(now, rec, CInput.SETTLED, remote=True)
+        elif isinstance(message, Rejected):
+            self._step(now, rec, CInput.REJECTED, remote=True, detail=message.reason.value)
+        elif isinstance(message, WriteFailed):
+            pair = self._valid_pair(rec, message.source, message.consumer_rank, "write_failed")
+            if pair is None or rec.mode is not Mode.PUSH:
+                return
+            if pair in rec.settled:
+                self._counters["write_failed_duplicate"] += 1
+                return
+            rec.settled.add(pair)
+            last = len(rec.settled) == self._total(rec)
+            inp = CInput.PAIRS_SETTLED if last else CInput.WRITE_FAILED
+            self._step(now, rec, inp, remote=True, detail=message.detail)
+        else:
+            if len(message.blocks) != self.identity.kv_groups or message.lease <= 0:
+                self._counters["announce_invalid"] += 1
+                return
+            self._announce(now, rec, message)
+
+    def _announce(self, now: float, rec: _Reservation, message: Announce) -> None:
+        not_after = now + message.lease
+        if rec.state is CState.AWAITING:
+            rec.op_deadline = not_after + self.config.timing.op_bound
+        if not self._step(now, rec, CInput.ANNOUNCE, remote=True):
+            return
+        assert rec.topology is not None
+        for route in rec.topology.routes:
+            self._out.append(
+                StartRead(
+                    rec.transfer_id,
+                    rec.epoch,
+                    rec.peer,
+                    route,
+                    message.blocks,
+                    rec.blocks,
+                    not_after,
+                )
+            )
+
+    def _on_unready_message(self, now: float, peer: str, message: ControlMessage) -> None:
+        pass
+
+    def _on_peer_ready(self, now: float, peer: str) -> None:
+        for rec in list(self._res.values()):
+            if rec.peer == peer and rec.state is CState.WAITING_PEER:
+                self._step(now, rec, CInput.PEER_READY)
+
+    def _on_peer_down(self, now: float, peer: str, reason: FailureReason, detail: str) -> None:
+        for rec in list(self._res.values()):
+            if rec.peer == peer:
+                self._step(now, rec, CInput.PEER_DOWN, remote=True, detail=detail, reason=reason)
+
+    # --- timers ---------------------------------------------------------------------
+
+    def _timers_of(self, key: Hashable) -> dict[str, float] | None:
+        rec = self._res.get(key)  # type: ignore[call-overload]
+        return rec.timers if rec is not None else None
+
+    def _fire(self, now: float, kind: str, key: Hashable) -> None:
+        rec = self._res[key]  # type: ignore[index]
+        del rec.timers[kind]
+        if kind == "deadline":
+            self._step(now, rec, CInput.DEADLINE)
+        elif kind == "quarantine":
+            self._step(now, rec, CInput.QUARANTINE)
+        else:  # "op": reads past their bound are dead
+            self._counters["read_timeout"] += 1
+            self._step(now, rec, CInput.READS_SETTLED)
+
+    def _arm_for(self, rec: _Reservation) -> None:
+        rec.timers.clear()
+        key = (rec.transfer_id, rec.epoch)
+        for kind in _TIMERS.get(rec.state, ()):
+            when = {
+                "deadline": rec.deadline,
+                "op": rec.op_deadline,
+                "quarantine": rec.quarantine_at,
+            }[kind]
+            self._arm(rec.timers, kind, when, key)
+
+    # --- transitions -------------------------------------------------------------
+
+    def _total(self, rec: _Reservation) -> int:
+        assert rec.topology is not None
+        return rec.topology.expected_total
+
+    def _valid_pair(
+        self, rec: _Reservation | None, source: Source, rank: int, what: str
+    ) -> Pair | None:
+        if rec is None:
+            self._counters[f"{what}_unknown"] += 1
+            return None
+        topo = rec.topology
+        if topo is None or not 0 <= rank < topo.consumer_tp or source not in topo.sources_for(rank):
+            self._counters[f"{what}_unexpected_source"] += 1
+            return None
+        return (source, rank)
+
+    def _step(
+        self,
+        now: float,
+        rec: _Reservation,
+        inp: CInput,
+        *,
+        remote: bool = False,
+        detail: str = "",
+        reason: FailureReason | None = None,
+    ) -> bool:
+        """Apply ``inp`` to ``rec`` through the table, then its side effects."""
+        table = CONSUMER_PUSH if rec.mode is Mode.PUSH else CONSUMER_PULL
+        old = rec.state
+        new = table.get((old, inp))
+        if new is None:
+            if remote:
+                self._counters[f"ignored_{inp.value}_in_{old.value}"] += 1
+                return False
+            raise LocalProtocolError(f"{inp.name} is not allowed in state {old.name}")
+        rec.state = new
+        if new not in _LIVE and self._live.get(rec.transfer_id) is rec:
+            del self._live[rec.transfer_id]
+        if new is not old:
+            self._enter(now, rec, old, inp, detail, reason)
+        return True
+
+    def _enter(
+        self,
+        now: float,
+        rec: _Reservation,
+        old: CState,
+        inp: CInput,
+        detail: str,
+        reason: FailureReason | None,
+    ) -> None:
+        new = rec.state
+        tid, epoch = rec.transfer_id, rec.epoch
+        if inp in _FAILURE and not rec.failed:
+            rec.failed = True
+            rec.timeline.failed = now
+            self._out.append(Failed(tid, epoch, reason or _FAILURE[inp], detail))
+        if new is CState.AWAITING:
+            self._register(now, rec)
+        elif new is CState.READ_DRAIN:
+            rec.after_reads = inp
+        elif new is CState.READY:
+            if rec.mode is Mode.PULL:
+                self._out.append(Send(rec.peer, ReadDone(tid, epoch, True)))
+            rec.timeline.ready = now
+            self._end(rec)
+            self._out.append(Ready(tid, epoch, rec.blocks, rec.timeline.freeze()))
+            return
+        elif new is CState.RELEASED:
+            self._tell_producer(rec, old, inp)
+            rec.timeline.released = now
+            self._end(rec)
+            self._out.append(Released(tid, epoch, rec.blocks, rec.timeline.freeze()))
+            return
+        elif new is CState.DRAINING:
+            self._tell_producer(rec, old, inp)
+        self._arm_for(rec)
+
+    def _register(self, now: float, rec: _Reservation) -> None:
+        view = self._peers[rec.peer]
+        assert view.topology is not None and view.hello is not None
+        rec.topology = view.topology
+        lease = rec.deadline - now
+        # After this send, a write may start until (receipt + lease) and then
+        # stay in flight for the producer's op bound: that is the quarantine.
+        rec.quarantine_at = rec.deadline + self.config.timing.max_transit + view.hello.op_bound
+        rec.timeline.registration_sent = now
+        engine = self.identity.engine_id
+        msg = Register(rec.transfer_id, rec.epoch, engine, rec.blocks, lease, rec.mode)
+        self._out.append(Send(rec.peer, msg))
+
+    def _tell_producer(self, rec: _Reservation, old: CState, inp: CInput) -> None:
+        """Send what the producer must hear when we leave a registered state."""
+        if inp is CInput.READS_SETTLED:
+            inp = rec.after_reads or inp
+        if old is CState.WAITING_PEER or inp is CInput.PEER_DOWN:
+            return
+        tid, epoch, peer = rec.transfer_id, rec.epoch, rec.peer
+        if inp is CInput.PREEMPT:
+            self._out.append(Send(peer, Withdraw(tid, epoch)))
+        elif inp in (CInput.ABORT, CInput.DEADLINE):
+            self._out.append(Send(peer, Abort(tid, epoch)))
+        elif rec.mode is Mode.PULL and old in (CState.READING, CState.READ_DRAIN):
+            self._out.append(Send(peer, ReadDone(tid, epoch, False)))
+
+    def _end(self, rec: _Reservation) -> None:
+        rec.timers.clear()
+        del self._res[(rec.transfer_id, rec.epoch)]
+        if self._live.get(rec.transfer_id) is rec:
+            del self._live[rec.transfer_id]
+        self._reserved_blocks -= rec.nblocks

@@ -1,0 +1,184 @@
+"""Control messages exchanged between a producer and a consumer endpoint.
+
+Each message is a small frozen value. The codec (``kvpush.protocol.codec``) is
+the only place where bytes become messages; everything here assumes the fields
+were already checked for type and range. ``Completion`` is special: it rides
+with the data (the transport's notification of that very transfer), so seeing
+it implies the bytes it announces are visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._types import BlockIds, Mode, RejectReason, Role, Source
+
+__all__ = (
+    "PROTOCOL_VERSION",
+    "Abort",
+    "Announce",
+    "Completion",
+    "ControlMessage",
+    "Heartbeat",
+    "Hello",
+    "HelloReject",
+    "ReadDone",
+    "Register",
+    "Rejected",
+    "Settled",
+    "Withdraw",
+    "WriteFailed",
+)
+
+#: Version of the control protocol; both peers must speak the same one.
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Handshake: who I am and what must match between us."""
+
+    engine_id: str
+    #: A fresh value per process start; a new value from a known engine id
+    #: means the peer restarted and none of its old state may be reused.
+    instance: int
+    role: Role
+    tp: int
+    pp: int
+    num_kv_heads: int
+    mla: bool
+    #: Number of KV groups a registration must list blocks for.
+    kv_groups: int
+    #: Upper bound (seconds) on a posted write or read staying in flight.
+    op_bound: float
+    #: Named values that must be equal on both sides (model shape, dtype size,
+    #: layout family, ...); the handshake names the first that differs.
+    fingerprint: tuple[tuple[str, str], ...] = ()
+    modes: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL)
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReject:
+    """Handshake refused; ``field`` names what differs."""
+
+    field: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """Consumer -> producer: write (push) or lend (pull) this transfer's KV.
+
+    ``lease`` (seconds, measured by the producer from receipt) bounds when the
+    producer may *start* a write into ``blocks``.
+    """
+
+    transfer_id: str
+    epoch: int
+    consumer: str
+    blocks: BlockIds
+    lease: float
+    mode: Mode = Mode.PUSH
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    """Consumer -> producer: the consumer preempted this epoch; keep the KV for a
+    newer one. Answered by :class:`Settled` once no write of it can land."""
+
+    transfer_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Either way: the transfer is over. ``epoch`` 0 means "no epoch known".
+    A producer answers a consumer's abort with :class:`Settled`; a producer that
+    aborts sends :class:`Settled` itself once its writes settle."""
+
+    transfer_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """Producer -> consumer: no write of (transfer, epoch) is in flight and none
+    will ever start; the consumer may reuse that epoch's blocks."""
+
+    transfer_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Producer -> consumer: registration refused; nothing was or will be written."""
+
+    transfer_id: str
+    epoch: int
+    reason: RejectReason
+
+
+@dataclass(frozen=True, slots=True)
+class WriteFailed:
+    """Producer -> consumer: the write ``source -> consumer_rank`` failed (or
+    failed to post) and has settled; it will not land."""
+
+    transfer_id: str
+    epoch: int
+    source: Source
+    consumer_rank: int
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Announce:
+    """Producer -> consumer (pull): the KV is ready in ``blocks``; read it by
+    ``lease`` seconds after receipt, then answer :class:`ReadDone`."""
+
+    transfer_id: str
+    epoch: int
+    blocks: BlockIds
+    lease: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """Consumer -> producer (pull): every read of (transfer, epoch) has settled."""
+
+    transfer_id: str
+    epoch: int
+    ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Liveness probe for the control channel (the runtime's business)."""
+
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """Data-plane notice: ``source`` finished writing (transfer, epoch) to
+    ``consumer_rank``. Carried by the transfer itself, after its data."""
+
+    transfer_id: str
+    epoch: int
+    source: Source
+    consumer_rank: int
+
+
+ControlMessage = (
+    Hello
+    | HelloReject
+    | Register
+    | Withdraw
+    | Abort
+    | Settled
+    | Rejected
+    | WriteFailed
+    | Announce
+    | ReadDone
+    | Heartbeat
+)

@@ -1,0 +1,285 @@
+"""Every state machine of the core, as explicit transition tables.
+
+Each table maps ``(state, input) -> new state``. Endpoints look an input up
+before doing anything; a missing key is a protocol error: a local input raises
+:class:`~kvpush.LocalProtocolError`, a remote one is counted and ignored without
+changing state. Inputs whose meaning depends on a guard (e.g. "the last
+expected completion") are distinct input members, so the table alone says how
+state moves. ``docs/protocol.md`` renders these tables (``render_markdown``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+__all__ = (
+    "CONSUMER_PULL",
+    "CONSUMER_PUSH",
+    "PEER",
+    "PRODUCER",
+    "CInput",
+    "CState",
+    "PInput",
+    "PState",
+    "PeerInput",
+    "PeerState",
+    "render_markdown",
+)
+
+
+# --- handshake (both roles) ----------------------------------------------------
+
+
+class PeerState(enum.Enum):
+    #: No handshake yet, or the connection was lost.
+    DISCONNECTED = "disconnected"
+    #: Our hello is out; waiting for the peer's.
+    HELLO_SENT = "hello_sent"
+    #: Both hellos exchanged and compatible.
+    READY = "ready"
+    #: The handshake failed; transfers with this peer are refused.
+    FAILED = "failed"
+
+
+class PeerInput(enum.Enum):
+    CONNECT = "connect"  #: local: start the handshake
+    HELLO_OK = "hello_ok"  #: remote: a compatible hello
+    HELLO_BAD = "hello_bad"  #: remote: an incompatible hello
+    REJECT = "reject"  #: remote: the peer refused our hello
+    LOST = "lost"  #: local: the connection was lost
+
+
+PEER: Mapping[tuple[PeerState, PeerInput], PeerState] = {
+    (PeerState.DISCONNECTED, PeerInput.CONNECT): PeerState.HELLO_SENT,
+    (PeerState.DISCONNECTED, PeerInput.HELLO_OK): PeerState.READY,
+    (PeerState.DISCONNECTED, PeerInput.HELLO_BAD): PeerState.FAILED,
+    (PeerState.DISCONNECTED, PeerInput.LOST): PeerState.DISCONNECTED,
+    (PeerState.HELLO_SENT, PeerInput.CONNECT): PeerState.HELLO_SENT,
+    (PeerState.HELLO_SENT, PeerInput.HELLO_OK): PeerState.READY,
+    (PeerState.HELLO_SENT, PeerInput.HELLO_BAD): PeerState.FAILED,
+    (PeerState.HELLO_SENT, PeerInput.REJECT): PeerState.FAILED,
+    (PeerState.HELLO_SENT, PeerInput.LOST): PeerState.DISCONNECTED,
+    (PeerState.READY, PeerInput.CONNECT): PeerState.READY,
+    (PeerState.READY, PeerInput.HELLO_OK): PeerState.READY,
+    (PeerState.READY, PeerInput.HELLO_BAD): PeerState.FAILED,
+    (PeerState.READY, PeerInput.REJECT): PeerState.FAILED,
+    (PeerState.READY, PeerInput.LOST): PeerState.DISCONNECTED,
+    (PeerState.FAILED, PeerInput.CONNECT): PeerState.HELLO_SENT,
+    (PeerState.FAILED, PeerInput.HELLO_OK): PeerState.READY,
+    (PeerState.FAILED, PeerInput.HELLO_BAD): PeerState.FAILED,
+    (PeerState.FAILED, PeerInput.REJECT): PeerState.FAILED,
+    (PeerState.FAILED, PeerInput.LOST): PeerState.DISCONNECTED,
+}
+
+
+# --- consumer: one reservation (transfer, epoch) --------------------------------
+
+
+class CState(enum.Enum):
+    #: Blocks reserved; the registration waits for the handshake.
+    WAITING_PEER = "waiting_peer"
+    #: Registration sent; waiting for completions (push) or the announce (pull).
+    AWAITING = "awaiting"
+    #: Pull: reads posted; waiting for them.
+    READING = "reading"
+    #: Pull: failed or withdrawn with reads in flight; waiting for them to settle.
+    READ_DRAIN = "read_drain"
+    #: Push: failed or withdrawn; waiting until no write can land (Settled,
+    #: every pair settled, or the quarantine).
+    DRAINING = "draining"
+    #: Terminal: every expected source completed; the blocks hold the KV.
+    READY = "ready"
+    #: Terminal: the blocks were handed back.
+    RELEASED = "released"
+
+
+class CInput(enum.Enum):
+    PEER_READY = "peer_ready"  #: the handshake completed
+    PEER_DOWN = "peer_down"  #: connection lost or handshake failed
+    PREEMPT = "preempt"  #: local: withdraw this epoch (a newer one may follow)
+    ABORT = "abort"  #: local: the request is gone
+    DEADLINE = "deadline"  #: timer: not ready in time
+    QUARANTINE = "quarantine"  #: timer: no write can land any more
+    COMPLETION = "completion"  #: an expected completion, not the last
+    COMPLETION_LAST = "completion_last"  #: the last expected completion
+    WRITE_FAILED = "write_failed"  #: producer: a write failed, not the last pair
+    PAIRS_SETTLED = "pairs_settled"  #: every pair completed or failed
+    SETTLED = "settled"  #: producer: nothing in flight, nothing will start
+    REJECTED = "rejected"  #: producer: registration refused
+    PEER_ABORT = "peer_abort"  #: producer aborted the transfer
+    ANNOUNCE = "announce"  #: pull: the producer's KV is ready
+    READ_OK = "read_ok"  #: pull: a read finished, not the last
+    READ_FAILED = "read_failed"  #: pull: a read failed, not the last
+    READS_OK = "reads_ok"  #: pull: the last read finished, all succeeded
+    READS_SETTLED = "reads_settled"  #: pull: the last outstanding read settled
+
+
+_C = CState
+_I = CInput
+
+_CONSUMER_COMMON: dict[tuple[CState, CInput], CState] = {
+    (_C.WAITING_PEER, _I.PEER_READY): _C.AWAITING,
+    (_C.WAITING_PEER, _I.PEER_DOWN): _C.RELEASED,
+    (_C.WAITING_PEER, _I.PREEMPT): _C.RELEASED,
+    (_C.WAITING_PEER, _I.ABORT): _C.RELEASED,
+    (_C.WAITING_PEER, _I.DEADLINE): _C.RELEASED,
+}
+
+CONSUMER_PUSH: Mapping[tuple[CState, CInput], CState] = {
+    **_CONSUMER_COMMON,
+    (_C.AWAITING, _I.COMPLETION): _C.AWAITING,
+    (_C.AWAITING, _I.COMPLETION_LAST): _C.READY,
+    (_C.AWAITING, _I.WRITE_FAILED): _C.DRAINING,
+    (_C.AWAITING, _I.PAIRS_SETTLED): _C.RELEASED,
+    (_C.AWAITING, _I.SETTLED): _C.RELEASED,
+    (_C.AWAITING, _I.REJECTED): _C.RELEASED,
+    (_C.AWAITING, _I.PEER_ABORT): _C.DRAINING,
+    (_C.AWAITING, _I.PEER_DOWN): _C.DRAINING,
+    (_C.AWAITING, _I.DEADLINE): _C.DRAINING,
+    (_C.AWAITING, _I.PREEMPT): _C.DRAINING,
+    (_C.AWAITING, _I.ABORT): _C.DRAINING,
+    (_C.DRAINING, _I.COMPLETION): _C.DRAINING,
+    (_C.DRAINING, _I.WRITE_FAILED): _C.DRAINING,
+    (_C.DRAINING, _I.PAIRS_SETTLED): _C.RELEASED,
+    (_C.DRAINING, _I.SETTLED): _C.RELEASED,
+    (_C.DRAINING, _I.REJECTED): _C.RELEASED,
+    (_C.DRAINING, _I.QUARANTINE): _C.RELEASED,
+    (_C.DRAINING, _I.PEER_ABORT): _C.DRAINING,
+    (_C.DRAINING, _I.PEER_DOWN): _C.DRAINING,
+}
+
+CONSUMER_PULL: Mapping[tuple[CState, CInput], CState] = {
+    **_CONSUMER_COMMON,
+    (_C.AWAITING, _I.ANNOUNCE): _C.READING,
+    (_C.AWAITING, _I.SETTLED): _C.RELEASED,
+    (_C.AWAITING, _I.REJECTED): _C.RELEASED,
+    (_C.AWAITING, _I.PEER_ABORT): _C.RELEASED,
+    (_C.AWAITING, _I.PEER_DOWN): _C.RELEASED,
+    (_C.AWAITING, _I.DEADLINE): _C.RELEASED,
+    (_C.AWAITING, _I.PREEMPT): _C.RELEASED,
+    (_C.AWAITING, _I.ABORT): _C.RELEASED,
+    (_C.READING, _I.READ_OK): _C.READING,
+    (_C.READING, _I.READS_OK): _C.READY,
+    (_C.READING, _I.READ_FAILED): _C.READ_DRAIN,
+    (_C.READING, _I.READS_SETTLED): _C.RELEASED,
+    (_C.READING, _I.DEADLINE): _C.READ_DRAIN,
+    (_C.READING, _I.PREEMPT): _C.READ_DRAIN,
+    (_C.READING, _I.ABORT): _C.READ_DRAIN,
+    (_C.READING, _I.PEER_ABORT): _C.READ_DRAIN,
+    (_C.READING, _I.PEER_DOWN): _C.READ_DRAIN,
+    (_C.READ_DRAIN, _I.READ_OK): _C.READ_DRAIN,
+    (_C.READ_DRAIN, _I.READ_FAILED): _C.READ_DRAIN,
+    (_C.READ_DRAIN, _I.READS_SETTLED): _C.RELEASED,
+    (_C.READ_DRAIN, _I.PEER_ABORT): _C.READ_DRAIN,
+    (_C.READ_DRAIN, _I.PEER_DOWN): _C.READ_DRAIN,
+}
+
+
+# --- producer: one transfer's source KV ------------------------------------------
+
+
+class PState(enum.Enum):
+    #: No KV and no live registration; remembers the highest epoch seen.
+    IDLE = "idle"
+    #: A live registration waits for the KV.
+    WAIT_KV = "wait_kv"
+    #: The KV is held; no usable registration yet.
+    HOLDING = "holding"
+    #: Push: the live epoch's writes are in flight.
+    WRITING = "writing"
+    #: Aborting: in-flight writes must settle before the KV is released.
+    DRAINING = "draining"
+    #: Pull: the KV was announced; the consumer reads it.
+    LENT = "lent"
+    #: Tombstone: released; registrations are rejected until it expires.
+    RELEASED = "released"
+    #: The record is forgotten (nothing held, no duplicate can still arrive).
+    GONE = "gone"
+
+
+class PInput(enum.Enum):
+    REGISTER = "register"  #: remote: a registration newer than any seen
+    KV_READY = "kv_ready"  #: local: the source blocks hold the KV
+    RENDEZVOUS_PUSH = "rendezvous_push"  #: the second of KV/registration, push
+    RENDEZVOUS_PULL = "rendezvous_pull"  #: the second of KV/registration, pull
+    WITHDRAW = "withdraw"  #: remote: the live epoch was preempted
+    LEASE_EXPIRED = "lease_expired"  #: timer: the registration's lease ran out
+    HOLD_EXPIRED = "hold_expired"  #: timer: no usable registration in time
+    WRITE_SETTLED = "write_settled"  #: a write finished or failed, not the last
+    SETTLED_DELIVERED = "settled_delivered"  #: last write settled, all succeeded
+    SETTLED_FAILED = "settled_failed"  #: last write settled, some failed
+    SETTLED_NEXT = "settled_next"  #: last write settled; a newer epoch waits
+    SETTLED_IDLE = "settled_idle"  #: last write settled; epoch withdrawn
+    READ_DONE = "read_done"  #: remote (pull): the consumer's reads settled
+    QUARANTINE = "quarantine"  #: timer (pull): no read can still be running
+    ABORT = "abort"  #: local: abort the transfer
+    PEER_ABORT = "peer_abort"  #: remote: the consumer aborted
+    PEER_DOWN = "peer_down"  #: the consumer's connection was lost
+    EXPIRED = "expired"  #: timer: forget this record
+
+
+_P = PState
+_Q = PInput
+
+PRODUCER: Mapping[tuple[PState, PInput], PState] = {
+    (_P.IDLE, _Q.REGISTER): _P.WAIT_KV,
+    (_P.IDLE, _Q.KV_READY): _P.HOLDING,
+    (_P.IDLE, _Q.ABORT): _P.RELEASED,
+    (_P.IDLE, _Q.PEER_ABORT): _P.RELEASED,
+    (_P.IDLE, _Q.PEER_DOWN): _P.IDLE,
+    (_P.IDLE, _Q.WITHDRAW): _P.IDLE,
+    (_P.IDLE, _Q.EXPIRED): _P.GONE,
+    (_P.WAIT_KV, _Q.REGISTER): _P.WAIT_KV,
+    (_P.WAIT_KV, _Q.RENDEZVOUS_PUSH): _P.WRITING,
+    (_P.WAIT_KV, _Q.RENDEZVOUS_PULL): _P.LENT,
+    (_P.WAIT_KV, _Q.WITHDRAW): _P.IDLE,
+    (_P.WAIT_KV, _Q.LEASE_EXPIRED): _P.IDLE,
+    (_P.WAIT_KV, _Q.ABORT): _P.RELEASED,
+    (_P.WAIT_KV, _Q.PEER_ABORT): _P.RELEASED,
+    (_P.WAIT_KV, _Q.PEER_DOWN): _P.IDLE,
+    (_P.HOLDING, _Q.RENDEZVOUS_PUSH): _P.WRITING,
+    (_P.HOLDING, _Q.RENDEZVOUS_PULL): _P.LENT,
+    (_P.HOLDING, _Q.HOLD_EXPIRED): _P.RELEASED,
+    (_P.HOLDING, _Q.ABORT): _P.RELEASED,
+    (_P.HOLDING, _Q.PEER_ABORT): _P.RELEASED,
+    (_P.HOLDING, _Q.PEER_DOWN): _P.HOLDING,
+    (_P.WRITING, _Q.REGISTER): _P.WRITING,
+    (_P.WRITING, _Q.WITHDRAW): _P.WRITING,
+    (_P.WRITING, _Q.WRITE_SETTLED): _P.WRITING,
+    (_P.WRITING, _Q.SETTLED_DELIVERED): _P.RELEASED,
+    (_P.WRITING, _Q.SETTLED_FAILED): _P.RELEASED,
+    (_P.WRITING, _Q.SETTLED_NEXT): _P.WRITING,
+    (_P.WRITING, _Q.SETTLED_IDLE): _P.HOLDING,
+    (_P.WRITING, _Q.ABORT): _P.DRAINING,
+    (_P.WRITING, _Q.PEER_ABORT): _P.DRAINING,
+    (_P.WRITING, _Q.PEER_DOWN): _P.DRAINING,
+    (_P.DRAINING, _Q.REGISTER): _P.DRAINING,
+    (_P.DRAINING, _Q.WRITE_SETTLED): _P.DRAINING,
+    (_P.DRAINING, _Q.SETTLED_DELIVERED): _P.RELEASED,
+    (_P.DRAINING, _Q.SETTLED_FAILED): _P.RELEASED,
+    (_P.DRAINING, _Q.ABORT): _P.DRAINING,
+    (_P.DRAINING, _Q.PEER_ABORT): _P.DRAINING,
+    (_P.DRAINING, _Q.PEER_DOWN): _P.DRAINING,
+    (_P.LENT, _Q.REGISTER): _P.LENT,
+    (_P.LENT, _Q.READ_DONE): _P.RELEASED,
+    (_P.LENT, _Q.WITHDRAW): _P.HOLDING,
+    (_P.LENT, _Q.QUARANTINE): _P.RELEASED,
+    (_P.LENT, _Q.ABORT): _P.LENT,
+    (_P.LENT, _Q.PEER_ABORT): _P.RELEASED,
+    (_P.LENT, _Q.PEER_DOWN): _P.LENT,
+    (_P.RELEASED, _Q.REGISTER): _P.RELEASED,
+    (_P.RELEASED, _Q.KV_READY): _P.RELEASED,
+    (_P.RELEASED, _Q.EXPIRED): _P.GONE,
+    (_P.RELEASED, _Q.ABORT): _P.RELEASED,
+    (_P.RELEASED, _Q.PEER_ABORT): _P.RELEASED,
+    (_P.RELEASED, _Q.PEER_DOWN): _P.RELEASED,
+}
+
+
+def render_markdown(table: Mapping[tuple[enum.Enum, enum.Enum], enum.Enum]) -> str:
+    """Render a transition table as a Markdown table (used by docs/protocol.md)."""
+    lines = ["| state | input | next state |", "|---|---|---|"]
+    for (state, inp), new in table.items():
+        lines.append(f"| `{state.name}` | `{inp.name}` | `{new.name}` |")
+    return "\n".join(lines)
