@@ -34,6 +34,8 @@ explore: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/core_lifecycle.py
+	$(PY) benchmarks/plan.py
+	$(PY) benchmarks/fuzz_codec.py --n 100000
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

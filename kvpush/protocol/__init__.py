@@ -6,16 +6,28 @@ threads, clocks or randomness. See docs/protocol.md.
 
 from __future__ import annotations
 
+from ._codec import MAX_NOTICE_BYTES, MIN_SECRET_BYTES, WIRE_VERSION, Codec, CodecLimits
 from ._config import ConsumerConfig, Identity, ProducerConfig, Timing
 from ._consumer import Consumer, Refused, RefuseReason, Reserved
 from ._endpoint import PeerView, check_compatible
 from ._errors import (
+    AuthenticationError,
     ConfigError,
     IncompatiblePeerError,
     KvpushError,
     LocalProtocolError,
     RemoteProtocolError,
     TopologyError,
+    UnsupportedVersionError,
+)
+from ._layout import (
+    LAYOUT_WIRE_VERSION,
+    MAX_REGIONS,
+    HeadOrder,
+    KVLayout,
+    MemoryType,
+    Region,
+    layer_regions,
 )
 from ._messages import (
     PROTOCOL_VERSION,
@@ -48,19 +60,39 @@ from ._outputs import (
     StartRead,
     StartWrite,
 )
+from ._plan import TransferPlan, TransferPlanner, plan_transfer
 from ._producer import Producer
 from ._tables import CState, PeerState, PState
 from ._timeline import Timeline
 from ._topology import HeadSlice, Route, Topology, compute_topology
-from ._types import BlockIds, FailureReason, Mode, RejectReason, Role, Source
+from ._types import (
+    MAX_DETAIL_LEN,
+    MAX_ID_LEN,
+    BlockIds,
+    FailureReason,
+    Mode,
+    RejectReason,
+    Role,
+    Source,
+)
 
 __all__ = (
+    "LAYOUT_WIRE_VERSION",
+    "MAX_DETAIL_LEN",
+    "MAX_ID_LEN",
+    "MAX_NOTICE_BYTES",
+    "MAX_REGIONS",
+    "MIN_SECRET_BYTES",
     "PROTOCOL_VERSION",
+    "WIRE_VERSION",
     "Abort",
     "Action",
     "Announce",
+    "AuthenticationError",
     "BlockIds",
     "CState",
+    "Codec",
+    "CodecLimits",
     "Completion",
     "ConfigError",
     "Consumer",
@@ -69,14 +101,17 @@ __all__ = (
     "Event",
     "Failed",
     "FailureReason",
+    "HeadOrder",
     "HeadSlice",
     "Heartbeat",
     "Hello",
     "HelloReject",
     "Identity",
     "IncompatiblePeerError",
+    "KVLayout",
     "KvpushError",
     "LocalProtocolError",
+    "MemoryType",
     "Mode",
     "Output",
     "PState",
@@ -90,6 +125,7 @@ __all__ = (
     "Ready",
     "RefuseReason",
     "Refused",
+    "Region",
     "Register",
     "RejectReason",
     "Rejected",
@@ -109,8 +145,13 @@ __all__ = (
     "Timing",
     "Topology",
     "TopologyError",
+    "TransferPlan",
+    "TransferPlanner",
+    "UnsupportedVersionError",
     "Withdraw",
     "WriteFailed",
     "check_compatible",
     "compute_topology",
+    "layer_regions",
+    "plan_transfer",
 )

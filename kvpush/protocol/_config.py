@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ._errors import ConfigError
+from ._layout import KVLayout
 from ._messages import Hello
 from ._topology import MAX_RANKS
 from ._types import MAX_ID_LEN, Mode, Role
@@ -48,8 +49,22 @@ class Identity:
     kv_groups: int = 1
     fingerprint: tuple[tuple[str, str], ...] = ()
     modes: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL)
+    #: This rank group's KV memory; its fingerprint joins ``fingerprint``.
+    layout: KVLayout | None = None
 
     def __post_init__(self) -> None:
+        if type(self.instance) is not int or not 0 <= self.instance < 1 << 64:
+            raise ConfigError(f"instance must be an int in [0, 2**64), got {self.instance!r}")
+        keys = [k for k, _ in self.fingerprint]
+        if len(keys) != len(set(keys)) or len(keys) > 32:
+            raise ConfigError("fingerprint keys must be unique (at most 32 entries)")
+        for k, v in self.fingerprint:
+            if not k or len(k.encode()) > MAX_ID_LEN or len(v.encode()) > MAX_ID_LEN:
+                raise ConfigError(f"fingerprint entry {k!r} is empty or too long")
+        if self.layout is not None and self.layout.num_groups != self.kv_groups:
+            raise ConfigError(
+                f"layout has {self.layout.num_groups} KV groups, kv_groups is {self.kv_groups}"
+            )
         if not self.engine_id or len(self.engine_id.encode()) > MAX_ID_LEN:
             raise ConfigError("engine_id must be a non-empty str of at most 256 bytes")
         for name in ("tp", "pp"):
@@ -58,7 +73,7 @@ class Identity:
                 raise ConfigError(f"{name} must be an int in [1, {MAX_RANKS}], got {v!r}")
         if type(self.kv_groups) is not int or not 1 <= self.kv_groups <= 64:
             raise ConfigError(f"kv_groups must be an int in [1, 64], got {self.kv_groups!r}")
-        if type(self.num_kv_heads) is not int or self.num_kv_heads < 1:
+        if type(self.num_kv_heads) is not int or not 1 <= self.num_kv_heads <= 1 << 16:
             raise ConfigError(f"num_kv_heads must be a positive int, got {self.num_kv_heads!r}")
         if not self.modes:
             raise ConfigError("modes must name at least one mode")
@@ -75,8 +90,9 @@ class Identity:
             self.mla,
             self.kv_groups,
             op_bound,
-            self.fingerprint,
+            self.fingerprint + (self.layout.fingerprint() if self.layout else ()),
             self.modes,
+            layout=self.layout,
         )
 
 

@@ -110,8 +110,11 @@ class _Reservation:
     nblocks: int
     deadline: float
     timeline: TimelineBuilder
+    skip_tokens: int = 0
     state: CState = CState.WAITING_PEER
     topology: Topology | None = None
+    #: How many (source, consumer rank) pairs the topology expects (set at registration).
+    total: int = 0
     done: set[Pair] = field(default_factory=set)
     settled: set[Pair] = field(default_factory=set)
     quarantine_at: float = 0.0
@@ -168,12 +171,16 @@ class Consumer(Endpoint):
         *,
         mode: Mode = Mode.PUSH,
         deadline: float | None = None,
+        skip_tokens: int = 0,
     ) -> Reserved | Refused:
         """Reserve ``blocks`` (ids per KV group) for ``transfer_id`` from producer
-        ``peer`` and register them once the handshake is done. Returns
-        :class:`Refused` instead of raising when the caller can act on it."""
+        ``peer`` and register them once the handshake is done. ``skip_tokens``:
+        tokens this side already holds (a prefix hit); ``blocks`` start there.
+        Returns :class:`Refused` instead of raising when the caller can act on it."""
         check_transfer_id(transfer_id)
         ids = check_blocks(blocks, self.identity.kv_groups)
+        if type(skip_tokens) is not int or skip_tokens < 0:
+            raise LocalProtocolError(f"skip_tokens must be an int >= 0, got {skip_tokens!r}")
         if transfer_id in self._live:
             raise LocalProtocolError(
                 f"transfer {transfer_id!r} already has a live reservation; preempt or abort it"
@@ -185,7 +192,7 @@ class Consumer(Endpoint):
             view is not None and view.hello is not None and mode not in view.hello.modes
         ):
             return Refused(transfer_id, RefuseReason.MODE_UNSUPPORTED)
-        nblocks = sum(len(g) for g in ids)
+        nblocks = sum(map(len, ids))
         budget = self.config.max_reserved_blocks
         if budget is not None and self._reserved_blocks + nblocks > budget:
             self._counters["refused_budget"] += 1
@@ -204,6 +211,7 @@ class Consumer(Endpoint):
             nblocks,
             deadline,
             TimelineBuilder(transfer_id, self._epoch, reserved=now),
+            skip_tokens=skip_tokens,
         )
         self._res[(transfer_id, rec.epoch)] = rec
         self._live[transfer_id] = rec
@@ -252,7 +260,7 @@ class Consumer(Endpoint):
         rec.settled.add(pair)
         rec.done.add(pair)
         rec.timeline.write_done[pair] = now
-        total = self._total(rec)
+        total = rec.total
         if rec.state is CState.AWAITING:
             last = len(rec.done) == total
             self._step(now, rec, CInput.COMPLETION_LAST if last else CInput.COMPLETION)
@@ -281,7 +289,7 @@ class Consumer(Endpoint):
         if ok:
             rec.done.add(pair)
             rec.timeline.write_done[pair] = now
-        total = self._total(rec)
+        total = rec.total
         if len(rec.settled) == total:
             inp = CInput.READS_OK if len(rec.done) == total else CInput.READS_SETTLED
             if rec.state is CState.READ_DRAIN:
@@ -313,13 +321,16 @@ class Consumer(Endpoint):
             self._step(now, rec, CInput.REJECTED, remote=True, detail=message.reason.value)
         elif isinstance(message, WriteFailed):
             pair = self._valid_pair(rec, message.source, message.consumer_rank, "write_failed")
-            if pair is None or rec.mode is not Mode.PUSH:
+            if pair is None:
+                return
+            if rec.mode is not Mode.PUSH:
+                self._counters["write_failed_in_pull"] += 1
                 return
             if pair in rec.settled:
                 self._counters["write_failed_duplicate"] += 1
                 return
             rec.settled.add(pair)
-            last = len(rec.settled) == self._total(rec)
+            last = len(rec.settled) == rec.total
             inp = CInput.PAIRS_SETTLED if last else CInput.WRITE_FAILED
             self._step(now, rec, inp, remote=True, detail=message.detail)
         else:
@@ -345,6 +356,7 @@ class Consumer(Endpoint):
                     message.blocks,
                     rec.blocks,
                     not_after,
+                    rec.skip_tokens,
                 )
             )
 
@@ -354,7 +366,9 @@ class Consumer(Endpoint):
     def _on_peer_ready(self, now: float, peer: str) -> None:
         for rec in list(self._res.values()):
             if rec.peer == peer and rec.state is CState.WAITING_PEER:
-                self._step(now, rec, CInput.PEER_READY)
+                # A handshake that finished after the deadline grants no lease.
+                late = now >= rec.deadline
+                self._step(now, rec, CInput.DEADLINE if late else CInput.PEER_READY)
 
     def _on_peer_down(self, now: float, peer: str, reason: FailureReason, detail: str) -> None:
         for rec in list(self._res.values()):
@@ -379,21 +393,21 @@ class Consumer(Endpoint):
             self._step(now, rec, CInput.READS_SETTLED)
 
     def _arm_for(self, rec: _Reservation) -> None:
-        rec.timers.clear()
+        old, rec.timers = rec.timers, {}
         key = (rec.transfer_id, rec.epoch)
         for kind in _TIMERS.get(rec.state, ()):
-            when = {
-                "deadline": rec.deadline,
-                "op": rec.op_deadline,
-                "quarantine": rec.quarantine_at,
-            }[kind]
-            self._arm(rec.timers, kind, when, key)
+            if kind == "deadline":
+                when = rec.deadline
+            elif kind == "op":
+                when = rec.op_deadline
+            else:
+                when = rec.quarantine_at
+            if old.get(kind) == when:  # its heap entry is still queued and valid
+                rec.timers[kind] = when
+            else:
+                self._arm(rec.timers, kind, when, key)
 
     # --- transitions -------------------------------------------------------------
-
-    def _total(self, rec: _Reservation) -> int:
-        assert rec.topology is not None
-        return rec.topology.expected_total
 
     def _valid_pair(
         self, rec: _Reservation | None, source: Source, rank: int, what: str
@@ -444,7 +458,9 @@ class Consumer(Endpoint):
     ) -> None:
         new = rec.state
         tid, epoch = rec.transfer_id, rec.epoch
-        if inp in _FAILURE and not rec.failed:
+        # Only a live reservation fails: after the caller's own preempt or abort,
+        # Settled / settled pairs merely end the drain.
+        if inp in _FAILURE and not rec.failed and old in _LIVE:
             rec.failed = True
             rec.timeline.failed = now
             self._out.append(Failed(tid, epoch, reason or _FAILURE[inp], detail))
@@ -473,13 +489,16 @@ class Consumer(Endpoint):
         view = self._peers[rec.peer]
         assert view.topology is not None and view.hello is not None
         rec.topology = view.topology
+        rec.total = view.topology.expected_total
         lease = rec.deadline - now
         # After this send, a write may start until (receipt + lease) and then
         # stay in flight for the producer's op bound: that is the quarantine.
         rec.quarantine_at = rec.deadline + self.config.timing.max_transit + view.hello.op_bound
         rec.timeline.registration_sent = now
         engine = self.identity.engine_id
-        msg = Register(rec.transfer_id, rec.epoch, engine, rec.blocks, lease, rec.mode)
+        msg = Register(
+            rec.transfer_id, rec.epoch, engine, rec.blocks, lease, rec.mode, rec.skip_tokens
+        )
         self._out.append(Send(rec.peer, msg))
 
     def _tell_producer(self, rec: _Reservation, old: CState, inp: CInput) -> None:

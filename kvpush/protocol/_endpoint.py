@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from ._config import Identity
@@ -65,12 +65,9 @@ class PeerView:
     failure: tuple[str, str] | None = None
 
 
-@dataclass(order=True, slots=True)
-class _TimerEntry:
-    when: float
-    seq: int
-    kind: str = field(compare=False)
-    key: Hashable = field(compare=False)
+#: A heap entry: (when, seq, kind, key). A plain tuple, so the heap compares in C;
+#: ``seq`` is unique, so ``kind`` and ``key`` are never compared.
+_TimerEntry = tuple[float, int, str, Hashable]
 
 
 class Endpoint:
@@ -111,26 +108,27 @@ class Endpoint:
         while heap:
             top = heap[0]
             if self._timer_valid(top):
-                return top.when
+                return top[0]
             heapq.heappop(heap)
         return None
 
     def handle_timer(self, now: float) -> None:
         """Fire every timer due at or before ``now``."""
         heap = self._heap
-        while heap and heap[0].when <= now:
+        while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             if self._timer_valid(entry):
-                self._fire(now, entry.kind, entry.key)
+                self._fire(now, entry[2], entry[3])
 
     def _arm(self, timers: dict[str, float], kind: str, when: float, key: Hashable) -> None:
         timers[kind] = when
         self._seq += 1
-        heapq.heappush(self._heap, _TimerEntry(when, self._seq, kind, key))
+        heapq.heappush(self._heap, (when, self._seq, kind, key))
 
     def _timer_valid(self, entry: _TimerEntry) -> bool:
-        timers = self._timers_of(entry.key)
-        return timers is not None and timers.get(entry.kind) == entry.when
+        when, _, kind, key = entry
+        timers = self._timers_of(key)
+        return timers is not None and timers.get(kind) == when
 
     def _timers_of(self, key: Hashable) -> dict[str, float] | None:
         raise NotImplementedError
@@ -167,7 +165,7 @@ class Endpoint:
             self._peer_failed(now, peer, view, message.field, message.detail)
         elif isinstance(message, Heartbeat):
             self._counters["heartbeat"] += 1
-        elif self._peers.get(peer, PeerView()).state is not PeerState.READY:
+        elif (known := self._peers.get(peer)) is None or known.state is not PeerState.READY:
             self._counters["message_from_unready_peer"] += 1
             self._on_unready_message(now, peer, message)
         else:

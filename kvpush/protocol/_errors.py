@@ -10,12 +10,14 @@ exceptions: they are reported as events.
 from __future__ import annotations
 
 __all__ = (
+    "AuthenticationError",
     "ConfigError",
     "IncompatiblePeerError",
     "KvpushError",
     "LocalProtocolError",
     "RemoteProtocolError",
     "TopologyError",
+    "UnsupportedVersionError",
 )
 
 
@@ -31,6 +33,18 @@ class RemoteProtocolError(KvpushError):
     """A peer sent something malformed; the input changed no state."""
 
 
+class UnsupportedVersionError(RemoteProtocolError):
+    """The peer speaks another wire version (``version``): upgrade one side."""
+
+    def __init__(self, version: int, ours: int) -> None:
+        super().__init__(f"unsupported wire version {version} (this side speaks {ours})")
+        self.version = version
+
+
+class AuthenticationError(RemoteProtocolError):
+    """A frame's MAC is missing, wrong, or present while no secret is set."""
+
+
 class ConfigError(KvpushError, ValueError):
     """A configuration value is out of range or inconsistent."""
 
@@ -43,6 +57,7 @@ class IncompatiblePeerError(KvpushError):
     """Two peers cannot exchange KV; ``field`` names what differs."""
 
     def __init__(self, field: str, detail: str) -> None:
+        detail = detail if len(detail) <= 512 else detail[:509] + "..."
         super().__init__(f"incompatible peer: {field}: {detail}")
         self.field = field
         self.detail = detail

@@ -1,7 +1,7 @@
 """Control messages exchanged between a producer and a consumer endpoint.
 
-Each message is a small frozen value. The codec (``kvpush.protocol.codec``) is
-the only place where bytes become messages; everything here assumes the fields
+Each message is a small frozen value. The codec (:class:`~kvpush.protocol.Codec`)
+is the only place where bytes become messages; everything here assumes the fields
 were already checked for type and range. ``Completion`` is special: it rides
 with the data (the transport's notification of that very transfer), so seeing
 it implies the bytes it announces are visible.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._layout import KVLayout
 from ._types import BlockIds, Mode, RejectReason, Role, Source
 
 __all__ = (
@@ -56,6 +57,9 @@ class Hello:
     fingerprint: tuple[tuple[str, str], ...] = ()
     modes: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL)
     version: int = PROTOCOL_VERSION
+    #: Where this side's KV lives (regions, block geometry). A registration may
+    #: only name blocks inside it; the planner maps transfers with it.
+    layout: KVLayout | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +84,9 @@ class Register:
     blocks: BlockIds
     lease: float
     mode: Mode = Mode.PUSH
+    #: Tokens the consumer already holds (a prefix hit): ``blocks`` start at
+    #: this token, which is a multiple of the consumer's tokens per block.
+    skip_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

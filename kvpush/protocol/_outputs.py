@@ -58,6 +58,8 @@ class StartWrite:
     dst_blocks: BlockIds
     not_after: float
     notice: Completion
+    #: Tokens the consumer already holds; ``dst_blocks`` start there.
+    skip_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,8 @@ class StartRead:
     src_blocks: BlockIds
     dst_blocks: BlockIds
     not_after: float
+    #: Tokens the consumer already holds; ``dst_blocks`` start there.
+    skip_tokens: int = 0
 
 
 Action = Send | StartWrite | StartRead

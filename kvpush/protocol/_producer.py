@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ._config import ProducerConfig
 from ._endpoint import Endpoint
 from ._errors import LocalProtocolError
+from ._layout import KVLayout
 from ._messages import (
     Abort,
     Announce,
@@ -28,7 +29,16 @@ from ._messages import (
 from ._outputs import ReleaseOutcome, Send, SourceReleased, StartWrite
 from ._tables import PRODUCER, PInput, PState
 from ._timeline import Timeline, TimelineBuilder
-from ._types import BlockIds, FailureReason, Mode, RejectReason, Role, Source, check_blocks
+from ._types import (
+    BlockIds,
+    FailureReason,
+    Mode,
+    RejectReason,
+    Role,
+    Source,
+    check_blocks,
+    clip_detail,
+)
 
 __all__ = ("Producer",)
 
@@ -54,6 +64,7 @@ class _Reg:
     #: Producer-clock time after which no write of this epoch may start.
     lease_until: float
     mode: Mode
+    skip_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -80,6 +91,16 @@ class _Transfer:
     quarantine_at: float = 0.0
     expires_at: float = 0.0
     timers: dict[str, float] = field(default_factory=dict)
+
+
+def _inside(blocks: BlockIds, layout: KVLayout | None) -> bool:
+    """Whether every block id lies inside the declared regions of its group."""
+    if layout is None:
+        return True
+    return all(
+        not group or max(group) < layout.group_region(g).num_blocks
+        for g, group in enumerate(blocks)
+    )
 
 
 class Producer(Endpoint):
@@ -128,7 +149,7 @@ class Producer(Endpoint):
             return
         rec.src = ids
         rec.timeline.kv_ready = now
-        self._held_blocks += sum(len(g) for g in ids)
+        self._held_blocks += sum(map(len, ids))
         if rec.state is PState.WAIT_KV:
             assert rec.reg is not None
             if now > rec.reg.lease_until:
@@ -165,7 +186,8 @@ class Producer(Endpoint):
     ) -> None:
         """One :class:`StartWrite` failed to post or failed in flight, and has
         settled (nothing more of it will land)."""
-        self._write_result(now, transfer_id, epoch, (source, consumer_rank), detail or "failed")
+        detail = clip_detail(detail or "failed")
+        self._write_result(now, transfer_id, epoch, (source, consumer_rank), detail)
 
     # --- remote inputs --------------------------------------------------------------
 
@@ -222,7 +244,14 @@ class Producer(Endpoint):
         view = self._peers[peer]
         assert view.hello is not None
         tid, epoch = msg.transfer_id, msg.epoch
-        if msg.consumer != peer or len(msg.blocks) != view.hello.kv_groups or msg.lease <= 0:
+        if (
+            msg.consumer != peer
+            or len(msg.blocks) != view.hello.kv_groups
+            or msg.lease <= 0
+            or not _inside(msg.blocks, view.hello.layout)
+        ):
+            # A registration says where to write in remote memory: it may only
+            # name blocks inside the regions its sender declared at handshake.
             self._counters["register_invalid"] += 1
             self._out.append(Send(peer, Rejected(tid, epoch, RejectReason.INVALID)))
             return
@@ -231,8 +260,10 @@ class Producer(Endpoint):
             self._counters["register_peer_mismatch"] += 1
             self._out.append(Send(peer, Rejected(tid, epoch, RejectReason.PEER_MISMATCH)))
             return
-        live = {r.epoch for r in (rec.reg, rec.pending) if r is not None}
-        if epoch in live:
+        reg, pending = rec.reg, rec.pending
+        if (reg is not None and reg.epoch == epoch) or (
+            pending is not None and pending.epoch == epoch
+        ):
             self._counters["register_duplicate"] += 1
             return
         if rec.state in (PState.RELEASED, PState.DRAINING):
@@ -246,7 +277,7 @@ class Producer(Endpoint):
         rec.peer = peer
         rec.max_epoch = epoch
         rec.timeline.registration_received = now
-        reg = _Reg(epoch, peer, msg.blocks, now + msg.lease, msg.mode)
+        reg = _Reg(epoch, peer, msg.blocks, now + msg.lease, msg.mode, msg.skip_tokens)
         if rec.state in (PState.WRITING, PState.LENT):
             if rec.pending is not None:
                 self._reject(rec, rec.pending, RejectReason.SUPERSEDED)
@@ -337,17 +368,19 @@ class Producer(Endpoint):
                 self._out.append(Send(rec.reg.peer, failed))
         else:
             rec.timeline.write_done[pair] = now
-        if rec.inflight:
+        if rec.inflight:  # not the last: no side effects, the table keeps the state
             self._step(now, rec, PInput.WRITE_SETTLED)
             return
         if rec.state is PState.DRAINING:
             settle = PInput.SETTLED_FAILED if rec.write_failed else PInput.SETTLED_DELIVERED
         elif rec.pending is not None:
-            if now <= rec.pending.lease_until:
-                settle = PInput.SETTLED_NEXT
-            else:
+            if now > rec.pending.lease_until:
                 self._reject(rec, rec.pending, RejectReason.LEASE_EXPIRED)
                 rec.pending = None
+                settle = PInput.SETTLED_IDLE
+            elif rec.pending.mode is Mode.PUSH:
+                settle = PInput.SETTLED_NEXT
+            else:  # a pull epoch is lent from HOLDING, never written
                 settle = PInput.SETTLED_IDLE
         elif rec.withdrawn:
             settle = PInput.SETTLED_IDLE
@@ -365,7 +398,8 @@ class Producer(Endpoint):
                 return
             raise LocalProtocolError(f"{inp.name} is not allowed in state {old.name}")
         rec.state = new
-        self._effects(now, rec, old, inp)
+        if inp is not PInput.WRITE_SETTLED:  # the one input without side effects
+            self._effects(now, rec, old, inp)
         state = rec.state
         if state is PState.GONE:
             del self._tx[rec.transfer_id]
@@ -417,8 +451,12 @@ class Producer(Endpoint):
         if new is PState.RELEASED and (old is not PState.RELEASED or inp is PInput.KV_READY):
             self._release(now, rec, inp)
         elif new is PState.HOLDING and rec.pending is not None:
-            rec.reg, rec.pending = rec.pending, None
-            self._rendezvous(now, rec)
+            if now > rec.pending.lease_until:  # it waited too long: never start it
+                self._reject(rec, rec.pending, RejectReason.LEASE_EXPIRED)
+                rec.pending = None
+            else:
+                rec.reg, rec.pending = rec.pending, None
+                self._rendezvous(now, rec)
 
     def _abort_effects(self, rec: _Transfer, old: PState, inp: PInput) -> None:
         tid = rec.transfer_id
@@ -455,7 +493,17 @@ class Producer(Endpoint):
             notice = Completion(tid, epoch, route.source, route.consumer_rank)
             rec.inflight.add((route.source, route.consumer_rank))
             out.append(
-                StartWrite(tid, epoch, reg.peer, route, src, reg.blocks, reg.lease_until, notice)
+                StartWrite(
+                    tid,
+                    epoch,
+                    reg.peer,
+                    route,
+                    src,
+                    reg.blocks,
+                    reg.lease_until,
+                    notice,
+                    reg.skip_tokens,
+                )
             )
 
     def _settle_owed(self, rec: _Transfer, epoch: int) -> None:
@@ -465,6 +513,8 @@ class Producer(Endpoint):
         self._send_owed(rec)
 
     def _send_owed(self, rec: _Transfer) -> None:
+        if not rec.owe:
+            return
         if rec.peer is not None and rec.ending is not ReleaseOutcome.PEER_LOST:
             for e in sorted(rec.owe):
                 self._out.append(Send(rec.peer, Settled(rec.transfer_id, e)))
@@ -490,16 +540,16 @@ class Producer(Endpoint):
         rec.expires_at = now + self.config.tombstone_ttl
         if rec.src is not None and not rec.released:
             rec.released = True
-            self._held_blocks -= sum(len(g) for g in rec.src)
+            self._held_blocks -= sum(map(len, rec.src))
             rec.timeline.released = now
             self._out.append(
                 SourceReleased(rec.transfer_id, rec.src, outcome, rec.timeline.freeze())
             )
 
     def _arm_for(self, now: float, rec: _Transfer, old: PState) -> None:
-        rec.timers.clear()
         kind = _TIMERS.get(rec.state)
         if kind is None:
+            rec.timers.clear()
             return
         if kind == "expire":
             if rec.state is PState.IDLE and old is not PState.IDLE:
@@ -514,4 +564,7 @@ class Producer(Endpoint):
             when = rec.op_deadline
         else:
             when = rec.quarantine_at
+        if len(rec.timers) == 1 and rec.timers.get(kind) == when:
+            return  # its heap entry is still queued and valid
+        rec.timers.clear()
         self._arm(rec.timers, kind, when, rec.transfer_id)

@@ -28,10 +28,17 @@ __all__ = (
 )
 
 
+class _Enum(enum.Enum):
+    """Hashed by identity (members are singletons): ``Enum.__hash__`` is a Python
+    call, and every transition looks up a ``(state, input)`` key."""
+
+    __hash__ = object.__hash__
+
+
 # --- handshake (both roles) ----------------------------------------------------
 
 
-class PeerState(enum.Enum):
+class PeerState(_Enum):
     #: No handshake yet, or the connection was lost.
     DISCONNECTED = "disconnected"
     #: Our hello is out; waiting for the peer's.
@@ -42,7 +49,7 @@ class PeerState(enum.Enum):
     FAILED = "failed"
 
 
-class PeerInput(enum.Enum):
+class PeerInput(_Enum):
     CONNECT = "connect"  #: local: start the handshake
     HELLO_OK = "hello_ok"  #: remote: a compatible hello
     HELLO_BAD = "hello_bad"  #: remote: an incompatible hello
@@ -54,6 +61,7 @@ PEER: Mapping[tuple[PeerState, PeerInput], PeerState] = {
     (PeerState.DISCONNECTED, PeerInput.CONNECT): PeerState.HELLO_SENT,
     (PeerState.DISCONNECTED, PeerInput.HELLO_OK): PeerState.READY,
     (PeerState.DISCONNECTED, PeerInput.HELLO_BAD): PeerState.FAILED,
+    (PeerState.DISCONNECTED, PeerInput.REJECT): PeerState.FAILED,
     (PeerState.DISCONNECTED, PeerInput.LOST): PeerState.DISCONNECTED,
     (PeerState.HELLO_SENT, PeerInput.CONNECT): PeerState.HELLO_SENT,
     (PeerState.HELLO_SENT, PeerInput.HELLO_OK): PeerState.READY,
@@ -76,7 +84,7 @@ PEER: Mapping[tuple[PeerState, PeerInput], PeerState] = {
 # --- consumer: one reservation (transfer, epoch) --------------------------------
 
 
-class CState(enum.Enum):
+class CState(_Enum):
     #: Blocks reserved; the registration waits for the handshake.
     WAITING_PEER = "waiting_peer"
     #: Registration sent; waiting for completions (push) or the announce (pull).
@@ -94,7 +102,7 @@ class CState(enum.Enum):
     RELEASED = "released"
 
 
-class CInput(enum.Enum):
+class CInput(_Enum):
     PEER_READY = "peer_ready"  #: the handshake completed
     PEER_DOWN = "peer_down"  #: connection lost or handshake failed
     PREEMPT = "preempt"  #: local: withdraw this epoch (a newer one may follow)
@@ -179,7 +187,7 @@ CONSUMER_PULL: Mapping[tuple[CState, CInput], CState] = {
 # --- producer: one transfer's source KV ------------------------------------------
 
 
-class PState(enum.Enum):
+class PState(_Enum):
     #: No KV and no live registration; remembers the highest epoch seen.
     IDLE = "idle"
     #: A live registration waits for the KV.
@@ -198,7 +206,7 @@ class PState(enum.Enum):
     GONE = "gone"
 
 
-class PInput(enum.Enum):
+class PInput(_Enum):
     REGISTER = "register"  #: remote: a registration newer than any seen
     KV_READY = "kv_ready"  #: local: the source blocks hold the KV
     RENDEZVOUS_PUSH = "rendezvous_push"  #: the second of KV/registration, push

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from ._types import Source
 
@@ -33,6 +33,13 @@ class Timeline:
     released: float | None = None
 
 
+def _by_pair(item: tuple[tuple[Source, int], float]) -> tuple[int, int, int]:
+    """Sort key of a ``write_done`` item: the order of (source, consumer rank),
+    without calling the dataclass comparison methods of :class:`Source`."""
+    (source, rank), _ = item
+    return (source.tp, source.pp, rank)
+
+
 @dataclass(slots=True)
 class TimelineBuilder:
     """Mutable twin of :class:`Timeline`, owned by one transfer record."""
@@ -51,6 +58,16 @@ class TimelineBuilder:
 
     def freeze(self) -> Timeline:
         """A frozen snapshot."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values["write_done"] = tuple(sorted(self.write_done.items()))
-        return Timeline(**values)
+        return Timeline(
+            self.transfer_id,
+            self.epoch,
+            self.reserved,
+            self.registration_sent,
+            self.registration_received,
+            self.kv_ready,
+            self.write_started,
+            tuple(sorted(self.write_done.items(), key=_by_pair)),
+            self.ready,
+            self.failed,
+            self.released,
+        )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ._errors import LocalProtocolError
 
 __all__ = (
+    "MAX_DETAIL_LEN",
     "MAX_ID_LEN",
     "BlockIds",
     "FailureReason",
@@ -17,10 +18,14 @@ __all__ = (
     "Source",
     "check_blocks",
     "check_transfer_id",
+    "clip_detail",
 )
 
 #: Longest transfer id or engine id accepted anywhere (bytes of UTF-8 text).
 MAX_ID_LEN = 256
+
+#: Longest free-text ``detail`` the core puts in a message (UTF-8 bytes).
+MAX_DETAIL_LEN = 1024
 
 #: Block ids per KV group: ``blocks[g]`` lists the block ids of KV group ``g``.
 BlockIds = tuple[tuple[int, ...], ...]
@@ -89,6 +94,14 @@ class Source:
     def __post_init__(self) -> None:
         if self.tp < 0 or self.pp < 0:
             raise LocalProtocolError(f"negative rank in {self!r}")
+
+
+def clip_detail(detail: str) -> str:
+    """``detail`` cut to at most :data:`MAX_DETAIL_LEN` UTF-8 bytes."""
+    data = detail.encode()
+    if len(data) <= MAX_DETAIL_LEN:
+        return detail
+    return data[: MAX_DETAIL_LEN - 3].decode(errors="ignore") + "..."
 
 
 def check_transfer_id(transfer_id: str) -> str:

@@ -1,0 +1,422 @@
+"""Where one rank keeps its KV cache: a declarative, validated description.
+
+A producer cannot write into a consumer's memory, and a consumer cannot read a
+producer's, without knowing *where* every block of every layer lives and how
+the bytes of one block are arranged. :class:`KVLayout` is that description:
+a tuple of :class:`Region` values, one per registered KV tensor (vLLM keeps
+one per layer, or one per layer *and* per K/V when the attention backend splits
+them). It is built locally from the engine's tensors, carried to the peer in
+the handshake (:meth:`KVLayout.to_wire` / :meth:`KVLayout.from_wire`), and fed
+to the planner (``_plan.py``) together with the peer's layout.
+
+Two things make the description small but sufficient:
+
+* a block is ``tokens_per_block * num_heads * head_bytes`` bytes, arranged
+  either token-major (:attr:`HeadOrder.NHD`, vLLM's LBNHC: token, then head,
+  then channel) or head-major (:attr:`HeadOrder.HND`, LBHNC: head, then token,
+  then channel). That is all the planner needs to find any (token, head);
+* ``block_stride`` may exceed ``block_len``, so blocks that are not packed back
+  to back (vLLM's FlashInfer layout keeps K and V of one block side by side:
+  describe it as two regions, V at ``base + block_len``, both with stride
+  ``2 * block_len``) need no special case.
+
+A layout received from a peer is checked as strictly as a local one: it tells
+the producer where it may write in remote memory, so :meth:`KVLayout.from_wire`
+rejects anything malformed with :class:`RemoteProtocolError` and nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ._errors import ConfigError, RemoteProtocolError
+
+__all__ = (
+    "LAYOUT_WIRE_VERSION",
+    "MAX_REGIONS",
+    "HeadOrder",
+    "KVLayout",
+    "MemoryType",
+    "Region",
+    "layer_regions",
+)
+
+#: Version of the :meth:`KVLayout.to_wire` format.
+LAYOUT_WIRE_VERSION = 1
+#: Most regions one layout may hold (keeps handshakes and plans bounded).
+MAX_REGIONS = 8192
+#: Every region must end below this address (offsets stay exact in int64).
+_ADDR_LIMIT = 1 << 63
+_MAX_BLOCKS = 1 << 31
+_MAX_TOKENS_PER_BLOCK = 1 << 16
+_MAX_HEADS = 1 << 16
+_MAX_HEAD_BYTES = 1 << 24
+_MAX_GROUPS = 64
+_KIND_RE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+
+
+class HeadOrder(enum.Enum):
+    """How the (token, head) cells of one block follow each other in memory."""
+
+    #: Token-major (vLLM's default LBNHC): all heads of token 0, then token 1, ...
+    NHD = "NHD"
+    #: Head-major (LBHNC): all tokens of head 0, then head 1, ...
+    HND = "HND"
+
+
+class MemoryType(enum.Enum):
+    """Which memory a region lives in (NIXL's memory type names)."""
+
+    #: Host memory.
+    DRAM = "DRAM"
+    #: Accelerator memory; ``Region.device`` is the device index.
+    VRAM = "VRAM"
+
+
+def _int(name: str, value: object, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise ConfigError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Region:
+    """One registered KV tensor of one rank: ``num_blocks`` blocks of one layer.
+
+    Block ``b`` occupies ``[base + b * block_stride, ... + block_len)``. Inside a
+    block, the cell of token ``t`` and local head ``h`` (``h`` counts from
+    ``head_start``, the first *global* KV head this rank holds) is
+    ``head_bytes`` long and starts at ``(t * num_heads + h) * head_bytes`` for
+    :attr:`HeadOrder.NHD` and at ``(h * tokens_per_block + t) * head_bytes``
+    for :attr:`HeadOrder.HND`.
+    """
+
+    #: Layer index in the model (the planner pairs regions by layer and kind).
+    layer: int
+    #: What the region holds: conventionally ``"K"``, ``"V"`` or ``"MLA"``.
+    kind: str
+    #: Address of block 0 (a real pointer, or an offset in a registered buffer).
+    base: int
+    num_blocks: int
+    #: Bytes of one block: must equal ``tokens_per_block * num_heads * head_bytes``.
+    block_len: int
+    tokens_per_block: int
+    #: KV heads this rank holds in this region (1 for MLA's latent vector).
+    num_heads: int
+    #: Bytes of one token of one head (head size times element size).
+    head_bytes: int
+    #: Global index of the first KV head this rank holds.
+    head_start: int = 0
+    #: Distance between consecutive blocks; ``None`` means ``block_len``.
+    block_stride: int | None = None
+    order: HeadOrder = HeadOrder.NHD
+    memory: MemoryType = MemoryType.VRAM
+    #: Device index (NIXL's ``devID``) of the memory.
+    device: int = 0
+    #: KV cache group whose block table addresses this region.
+    group: int = 0
+
+    def __post_init__(self) -> None:
+        _int("Region.layer", self.layer, 0, 1 << 20)
+        if type(self.kind) is not str or not _KIND_RE.fullmatch(self.kind):
+            raise ConfigError(f"Region.kind must match {_KIND_RE.pattern}, got {self.kind!r:.40}")
+        _int("Region.base", self.base, 0, _ADDR_LIMIT - 1)
+        _int("Region.num_blocks", self.num_blocks, 1, _MAX_BLOCKS)
+        _int("Region.tokens_per_block", self.tokens_per_block, 1, _MAX_TOKENS_PER_BLOCK)
+        _int("Region.num_heads", self.num_heads, 1, _MAX_HEADS)
+        _int("Region.head_bytes", self.head_bytes, 1, _MAX_HEAD_BYTES)
+        _int("Region.head_start", self.head_start, 0, _MAX_HEADS - 1)
+        _int("Region.device", self.device, 0, (1 << 31) - 1)
+        _int("Region.group", self.group, 0, _MAX_GROUPS - 1)
+        _int("Region.block_len", self.block_len, 1, _ADDR_LIMIT - 1)
+        need = self.tokens_per_block * self.num_heads * self.head_bytes
+        if self.block_len != need:
+            raise ConfigError(
+                f"Region.block_len is {self.block_len} but tokens_per_block "
+                f"{self.tokens_per_block} * num_heads {self.num_heads} * head_bytes "
+                f"{self.head_bytes} = {need}"
+            )
+        if self.block_stride is None:
+            object.__setattr__(self, "block_stride", self.block_len)
+        stride = _int("Region.block_stride", self.block_stride, 0, _ADDR_LIMIT - 1)
+        if stride < self.block_len:
+            raise ConfigError(
+                f"Region.block_stride {stride} is smaller than block_len {self.block_len}"
+            )
+        if not isinstance(self.order, HeadOrder):
+            raise ConfigError(f"Region.order must be a HeadOrder, got {self.order!r}")
+        if not isinstance(self.memory, MemoryType):
+            raise ConfigError(f"Region.memory must be a MemoryType, got {self.memory!r}")
+        if self.base + self.extent > _ADDR_LIMIT:
+            raise ConfigError(f"Region {self.name} ends past 2**63 (base + blocks * stride)")
+
+    @property
+    def stride(self) -> int:
+        """The block stride in bytes (``block_stride`` resolved)."""
+        return self.block_stride if self.block_stride is not None else self.block_len
+
+    @property
+    def extent(self) -> int:
+        """Bytes from ``base`` to the end of the last block."""
+        return (self.num_blocks - 1) * self.stride + self.block_len
+
+    @property
+    def name(self) -> str:
+        """A short human name, ``layer<N>.<kind>``, used in error messages."""
+        return f"layer{self.layer}.{self.kind}"
+
+    def to_wire(self) -> dict[str, Any]:
+        """This region as a msgpack-able dict (see :meth:`KVLayout.to_wire`)."""
+        return {
+            "layer": self.layer,
+            "kind": self.kind,
+            "base": self.base,
+            "num_blocks": self.num_blocks,
+            "block_len": self.block_len,
+            "block_stride": self.stride,
+            "tokens_per_block": self.tokens_per_block,
+            "num_heads": self.num_heads,
+            "head_start": self.head_start,
+            "head_bytes": self.head_bytes,
+            "order": self.order.value,
+            "memory": self.memory.value,
+            "device": self.device,
+            "group": self.group,
+        }
+
+
+_WIRE_INT_FIELDS = (
+    "layer",
+    "base",
+    "num_blocks",
+    "block_len",
+    "block_stride",
+    "tokens_per_block",
+    "num_heads",
+    "head_start",
+    "head_bytes",
+    "device",
+    "group",
+)
+_WIRE_FIELDS = frozenset((*_WIRE_INT_FIELDS, "kind", "order", "memory"))
+
+
+def _digest(items: object) -> str:
+    return hashlib.blake2b(repr(items).encode(), digest_size=8).hexdigest()
+
+
+def _summary(values: Sequence[str]) -> str:
+    """One value if uniform, else a digest of the whole sequence."""
+    return values[0] if len(set(values)) == 1 else "mixed:" + _digest(tuple(values))
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """All KV regions of one rank. Their order is local: regions pair across
+    peers by ``(layer, kind)``, and plans follow the producer's order.
+
+    Invariants (checked on construction): at least one region; no two regions
+    with the same ``(layer, kind)``; KV groups numbered ``0 .. num_groups - 1``
+    with none missing; and within a group every region has the same
+    ``num_blocks`` and ``tokens_per_block``, because one block id addresses
+    the same block in every region of its group.
+    """
+
+    regions: tuple[Region, ...]
+
+    def __post_init__(self) -> None:
+        regions = self.regions
+        if not isinstance(regions, (tuple, list)) or not 1 <= len(regions) <= MAX_REGIONS:
+            raise ConfigError(f"KVLayout.regions must hold 1 to {MAX_REGIONS} regions")
+        object.__setattr__(self, "regions", tuple(regions))
+        seen: set[tuple[int, str]] = set()
+        per_group: dict[int, Region] = {}
+        for i, r in enumerate(self.regions):
+            if not isinstance(r, Region):
+                raise ConfigError(f"KVLayout.regions[{i}] is not a Region: {r!r}")
+            if (r.layer, r.kind) in seen:
+                raise ConfigError(f"KVLayout.regions: duplicate region {r.name}")
+            seen.add((r.layer, r.kind))
+            first = per_group.setdefault(r.group, r)
+            for fld in ("num_blocks", "tokens_per_block"):
+                if getattr(r, fld) != getattr(first, fld):
+                    raise ConfigError(
+                        f"KVLayout.regions: {fld} differs within KV group {r.group} "
+                        f"({first.name}: {getattr(first, fld)}, {r.name}: {getattr(r, fld)})"
+                    )
+        if sorted(per_group) != list(range(len(per_group))):
+            raise ConfigError(
+                f"KVLayout.regions: KV groups must be numbered 0..n-1, got {sorted(per_group)}"
+            )
+
+    @property
+    def num_groups(self) -> int:
+        """Number of KV groups (block lists a registration carries)."""
+        return 1 + max(r.group for r in self.regions)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of distinct layers."""
+        return len({r.layer for r in self.regions})
+
+    def group_region(self, group: int) -> Region:
+        """The first region of KV group ``group`` (all share blocks and block size)."""
+        for r in self.regions:
+            if r.group == group:
+                return r
+        raise ConfigError(f"no KV group {group} in this layout")
+
+    def fingerprint(self) -> tuple[tuple[str, str], ...]:
+        """Named values that must be equal on producer and consumer.
+
+        Only what no parallelism or memory choice may change: the layer count,
+        the region set (layer, kind and group of each region, in any order), the
+        number of KV groups, the bytes of one head of one token (head size
+        times dtype size) and the layout family (head order). Block size,
+        head counts, addresses and memory types may differ; the planner deals
+        with those. Put it in ``Identity.fingerprint`` so the handshake fails,
+        naming the field, before any transfer is planned.
+        """
+        regions = self.regions
+        return (
+            ("kv.layers", str(self.num_layers)),
+            ("kv.regions", str(len(regions))),
+            ("kv.groups", str(self.num_groups)),
+            ("kv.region_map", _digest(sorted((r.layer, r.kind, r.group) for r in regions))),
+            ("kv.head_bytes", _summary([str(r.head_bytes) for r in regions])),
+            ("kv.order", _summary([r.order.value for r in regions])),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack-able dict: ``{"version": 1, "regions": [region dicts]}``.
+
+        Values are only ``int``, ``str``, ``list`` and ``dict``; enums travel as
+        their ``value`` strings.
+        """
+        return {"version": LAYOUT_WIRE_VERSION, "regions": [r.to_wire() for r in self.regions]}
+
+    @classmethod
+    def from_wire(cls, obj: object) -> KVLayout:
+        """Decode and validate a peer's :meth:`to_wire` output.
+
+        Raises :class:`RemoteProtocolError` (and no other exception) for any
+        malformed input: wrong types, missing or unknown keys, out-of-range
+        values, or a layout that breaks a :class:`KVLayout` invariant.
+        """
+        if not isinstance(obj, dict) or set(obj) != {"version", "regions"}:
+            raise RemoteProtocolError("KV layout must be a dict with keys version, regions")
+        if type(obj["version"]) is not int or obj["version"] != LAYOUT_WIRE_VERSION:
+            raise RemoteProtocolError(f"KV layout version {obj['version']!r:.40} is not supported")
+        items = obj["regions"]
+        if not isinstance(items, (list, tuple)) or not 1 <= len(items) <= MAX_REGIONS:
+            raise RemoteProtocolError(f"KV layout must list 1 to {MAX_REGIONS} regions")
+        regions: list[Region] = []
+        for i, item in enumerate(items):
+            regions.append(_region_from_wire(i, item))
+        try:
+            return cls(tuple(regions))
+        except ConfigError as exc:
+            raise RemoteProtocolError(f"bad KV layout: {exc}") from None
+
+
+def layer_regions(
+    layer_bases: Sequence[int],
+    *,
+    num_blocks: int,
+    tokens_per_block: int,
+    num_heads: int,
+    head_bytes: int,
+    head_start: int = 0,
+    packing: Literal["split", "interleaved", "mla"] = "split",
+    order: HeadOrder = HeadOrder.NHD,
+    memory: MemoryType = MemoryType.VRAM,
+    device: int = 0,
+    group: int = 0,
+    first_layer: int = 0,
+) -> tuple[Region, ...]:
+    """The regions of vLLM-style per-layer KV tensors, one base address each.
+
+    ``packing`` says how one layer's tensor holds K and V:
+    ``"split"`` is ``(2, num_blocks, ...)`` (FlashAttention: all K blocks,
+    then all V blocks: two regions, V at ``base + num_blocks * block_len``);
+    ``"interleaved"`` is ``(num_blocks, 2, ...)`` (FlashInfer: K and V of a
+    block side by side: two regions with stride ``2 * block_len``);
+    ``"mla"`` is ``(num_blocks, ...)`` with one latent "head" (one region).
+    Layers are numbered from ``first_layer``.
+    """
+    if packing not in ("split", "interleaved", "mla"):
+        raise ConfigError(f"packing must be split, interleaved or mla, got {packing!r}")
+    block_len = tokens_per_block * num_heads * head_bytes
+    regions: list[Region] = []
+    for i, base in enumerate(layer_bases):
+        places: tuple[tuple[str, int, int], ...]
+        if packing == "split":
+            places = (("K", base, block_len), ("V", base + num_blocks * block_len, block_len))
+        elif packing == "interleaved":
+            places = (("K", base, 2 * block_len), ("V", base + block_len, 2 * block_len))
+        else:
+            places = (("MLA", base, block_len),)
+        for kind, at, stride in places:
+            regions.append(
+                Region(
+                    layer=first_layer + i,
+                    kind=kind,
+                    base=at,
+                    num_blocks=num_blocks,
+                    block_len=block_len,
+                    block_stride=stride,
+                    tokens_per_block=tokens_per_block,
+                    num_heads=num_heads,
+                    head_start=head_start,
+                    head_bytes=head_bytes,
+                    order=order,
+                    memory=memory,
+                    device=device,
+                    group=group,
+                )
+            )
+    return tuple(regions)
+
+
+def _region_from_wire(i: int, item: object) -> Region:
+    if not isinstance(item, dict) or set(item) != _WIRE_FIELDS:
+        raise RemoteProtocolError(
+            f"KV layout region {i} must be a dict with keys {', '.join(sorted(_WIRE_FIELDS))}"
+        )
+    for key in _WIRE_INT_FIELDS:
+        if type(item[key]) is not int:
+            raise RemoteProtocolError(f"KV layout region {i}: {key} must be an int")
+    for key in ("kind", "order", "memory"):
+        if type(item[key]) is not str:
+            raise RemoteProtocolError(f"KV layout region {i}: {key} must be a str")
+    try:
+        order = HeadOrder(item["order"])
+        memory = MemoryType(item["memory"])
+    except ValueError:
+        raise RemoteProtocolError(
+            f"KV layout region {i}: unknown order {item['order']!r} or memory {item['memory']!r}"
+        ) from None
+    try:
+        return Region(
+            layer=item["layer"],
+            kind=item["kind"],
+            base=item["base"],
+            num_blocks=item["num_blocks"],
+            block_len=item["block_len"],
+            block_stride=item["block_stride"],
+            tokens_per_block=item["tokens_per_block"],
+            num_heads=item["num_heads"],
+            head_start=item["head_start"],
+            head_bytes=item["head_bytes"],
+            order=order,
+            memory=memory,
+            device=item["device"],
+            group=item["group"],
+        )
+    except ConfigError as exc:
+        raise RemoteProtocolError(f"KV layout region {i}: {exc}") from None

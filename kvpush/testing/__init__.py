@@ -1,0 +1,27 @@
+"""Test kit for kvpush and for the frameworks that embed it.
+
+Needs the ``testing`` extra (hypothesis). It holds the fake clock and network,
+the model world that wires a producer and a consumer through them, the
+invariant checker (I1-I5), hypothesis strategies, the stateful machines and an
+exhaustive explorer. See docs/testing.md.
+"""
+
+from __future__ import annotations
+
+from ._fakes import FakeClock, FakeNetwork, InFlight
+from ._invariants import InvariantChecker, InvariantViolation
+from ._machine import FaultFreeMachine, ProtocolMachine
+from ._world import Op, World, WorldConfig
+
+__all__ = (
+    "FakeClock",
+    "FakeNetwork",
+    "FaultFreeMachine",
+    "InFlight",
+    "InvariantChecker",
+    "InvariantViolation",
+    "Op",
+    "ProtocolMachine",
+    "World",
+    "WorldConfig",
+)

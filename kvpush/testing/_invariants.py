@@ -1,0 +1,231 @@
+"""Invariant checks I1-I5 over what two endpoints and a model transport did.
+
+The checker watches every input given to and every output drained from a
+producer and a consumer, plus the model transport's landings, and raises
+:class:`InvariantViolation` the moment an invariant breaks. docs/testing.md
+lists the invariants; docs/protocol.md argues why they hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpush.protocol import (
+    Abort,
+    Completion,
+    Failed,
+    Output,
+    Ready,
+    Register,
+    Released,
+    Send,
+    SourceReleased,
+    StartRead,
+    StartWrite,
+    Topology,
+    Withdraw,
+)
+
+__all__ = ("InvariantChecker", "InvariantViolation")
+
+Key = tuple[str, int]
+Pair = tuple[str, int, object, int]  # (transfer, epoch, source, consumer rank)
+
+
+class InvariantViolation(AssertionError):
+    """An invariant of the protocol does not hold."""
+
+
+@dataclass(slots=True)
+class _Res:
+    blocks: frozenset[int]
+    deadline: float
+    quarantine: float
+    registered: bool = False
+    withdrawn: bool = False  # preempted or aborted by the caller
+    ended: str | None = None  # "ready" | "released"
+    failed: bool = False
+    notices: set[tuple[object, int]] = field(default_factory=set)
+
+
+@dataclass
+class InvariantChecker:
+    """Watches one producer/consumer pair. ``topology`` is their route map;
+    ``max_transit`` and ``op_bound`` are the timing bounds in force."""
+
+    topology: Topology
+    max_transit: float
+    op_bound: float
+    res: dict[Key, _Res] = field(default_factory=dict)
+    #: dst block -> landings since it was last reserved.
+    content: dict[int, set[Pair]] = field(default_factory=dict)
+    dst_owner: dict[int, Key] = field(default_factory=dict)
+    #: transfer -> source blocks held (kv_ready and not yet released).
+    src_held: dict[str, frozenset[int]] = field(default_factory=dict)
+    src_released: set[str] = field(default_factory=set)
+    leases: dict[Key, float] = field(default_factory=dict)
+    producer_withdrawn: set[Key] = field(default_factory=set)
+    producer_aborted: set[str] = field(default_factory=set)
+    writes: set[Pair] = field(default_factory=set)
+    readies: set[str] = field(default_factory=set)
+
+    def fail(self, what: str) -> None:
+        raise InvariantViolation(what)
+
+    # --- inputs -----------------------------------------------------------------
+
+    def reserved(
+        self, now: float, tid: str, epoch: int, blocks: frozenset[int], deadline: float
+    ) -> None:
+        if (tid, epoch) in self.res:
+            self.fail(f"epoch {epoch} of {tid} reserved twice")
+        if any(r.ended is None and r.blocks & blocks for r in self.res.values()):
+            self.fail("a block was reserved twice")
+        q = deadline + self.max_transit + self.op_bound
+        self.res[(tid, epoch)] = _Res(blocks, deadline, q)
+        for b in blocks:
+            self.content[b] = set()
+            self.dst_owner[b] = (tid, epoch)
+
+    def withdrawn_locally(self, tid: str, epoch: int) -> None:
+        self.res[(tid, epoch)].withdrawn = True
+
+    def kv_ready(self, tid: str, blocks: frozenset[int]) -> None:
+        if tid not in self.src_held and tid not in self.src_released:
+            self.src_held[tid] = blocks
+
+    def producer_received(self, now: float, message: object) -> None:
+        if isinstance(message, Register):
+            key = (message.transfer_id, message.epoch)
+            self.leases[key] = max(self.leases.get(key, 0.0), now + message.lease)
+        elif isinstance(message, Withdraw):
+            self.producer_withdrawn.add((message.transfer_id, message.epoch))
+        elif isinstance(message, Abort):
+            self.producer_aborted.add(message.transfer_id)
+
+    def notice_delivered(self, notice: Completion) -> None:
+        rec = self.res.get((notice.transfer_id, notice.epoch))
+        if rec is not None and rec.ended is None:
+            rec.notices.add((notice.source, notice.consumer_rank))
+
+    # --- outputs ----------------------------------------------------------------
+
+    def consumer_output(self, now: float, out: Output) -> None:
+        if isinstance(out, Send) and isinstance(out.message, Register):
+            self.res[(out.message.transfer_id, out.message.epoch)].registered = True
+        elif isinstance(out, Ready):
+            self._ready(now, out)
+        elif isinstance(out, Failed):
+            rec = self.res[(out.transfer_id, out.epoch)]
+            if rec.ended == "ready":
+                self.fail(f"{out.transfer_id}/{out.epoch} failed after it was ready")
+            rec.failed = True
+        elif isinstance(out, Released):
+            self._released(now, out)
+
+    def producer_output(self, now: float, out: Output) -> None:
+        if isinstance(out, StartWrite):
+            self._start_write(now, out)
+        elif isinstance(out, SourceReleased):
+            if out.transfer_id in self.src_released:
+                self.fail(f"source of {out.transfer_id} released twice")
+            held = self.src_held.pop(out.transfer_id, None)
+            if held is None or held != _flat(out.blocks):
+                self.fail(f"released source blocks of {out.transfer_id} that were not held")
+            self.src_released.add(out.transfer_id)
+
+    def consumer_read(self, out: StartRead) -> None:
+        rec = self.res.get((out.transfer_id, out.epoch))
+        if rec is None or rec.ended is not None or _flat(out.dst_blocks) != rec.blocks:
+            self.fail(f"read for {out.transfer_id}/{out.epoch} targets blocks it does not own")
+
+    def _start_write(self, now: float, out: StartWrite) -> None:
+        key = (out.transfer_id, out.epoch)
+        pair = (out.transfer_id, out.epoch, out.route.source, out.route.consumer_rank)
+        if pair in self.writes:
+            self.fail(f"I4: second write for {pair}")
+        self.writes.add(pair)
+        rec = self.res.get(key)
+        if rec is None or not rec.registered or _flat(out.dst_blocks) != rec.blocks:
+            self.fail(f"I1: write for {key} targets blocks not registered under it")
+        if key in self.producer_withdrawn or out.transfer_id in self.producer_aborted:
+            self.fail(f"I1: write for {key} started after the producer saw it withdrawn")
+        lease = self.leases.get(key)
+        if lease is None or now > out.not_after or out.not_after > lease + 1e-9:
+            self.fail(f"I1: write for {key} starts outside its lease")
+
+    def _ready(self, now: float, out: Ready) -> None:
+        key = (out.transfer_id, out.epoch)
+        rec = self.res[key]
+        if rec.ended is not None or out.transfer_id in self.readies:
+            self.fail(f"I2: second end for {key}")
+        if rec.withdrawn or rec.failed:
+            self.fail(f"I2: ready for withdrawn or failed epoch {key}")
+        want = {(r.source, r.consumer_rank) for r in self.topology.routes}
+        if rec.notices != want:
+            self.fail(f"I2: ready for {key} with completions {rec.notices} != {want}")
+        for b in rec.blocks:
+            landed = self.content[b]
+            if {(t, e) for t, e, _, _ in landed} != {key}:
+                self.fail(f"I1: block {b} of {key} holds foreign writes {landed}")
+            if {(s, c) for _, _, s, c in landed} != want:
+                self.fail(f"I2: block {b} of {key} lacks data from some source")
+        rec.ended = "ready"
+        self.readies.add(out.transfer_id)
+
+    def _released(self, now: float, out: Released) -> None:
+        key = (out.transfer_id, out.epoch)
+        rec = self.res[key]
+        if rec.ended is not None:
+            self.fail(f"I3: reservation {key} ended twice")
+        if _flat(out.blocks) != rec.blocks:
+            self.fail(f"released blocks of {key} differ from the reserved ones")
+        rec.ended = "released"
+        for b in rec.blocks:
+            del self.dst_owner[b]
+
+    # --- the model transport --------------------------------------------------------
+
+    def landed(self, now: float, op: StartWrite | StartRead) -> None:
+        """A write (or read) moved bytes into ``op.dst_blocks`` just now."""
+        key = (op.transfer_id, op.epoch)
+        for b in _flat(op.dst_blocks):
+            if self.dst_owner.get(b) != key or self.res[key].ended is not None:
+                self.fail(f"I1: data of {key} landed in block {b} it does not own")
+            self.content[b].add((*key, op.route.source, op.route.consumer_rank))
+        if isinstance(op, StartRead):
+            # A read that landed is its own completion notice.
+            self.res[key].notices.add((op.route.source, op.route.consumer_rank))
+            held = self.src_held.get(op.transfer_id)
+            if held is None or not _flat(op.src_blocks) <= held:
+                self.fail(f"pull read of {key} from source blocks no longer held")
+
+    # --- time and quiescence -----------------------------------------------------------
+
+    def check_time(self, now: float) -> None:
+        """I5: by its deadline a reservation is ready or failed (or withdrawn);
+        by its quarantine it is released."""
+        for key, rec in self.res.items():
+            if rec.ended is not None:
+                continue
+            if now > rec.deadline and not (rec.failed or rec.withdrawn):
+                self.fail(f"I5: {key} neither ready nor failed after its deadline")
+            if now > rec.quarantine:
+                self.fail(f"I5: {key} not released after its quarantine")
+
+    def check_quiescent(
+        self, reserved_blocks: int, held_blocks: int, *, producer_alive: bool = True
+    ) -> None:
+        """I3: once inputs stop and every timer fired, nothing is held (a dead
+        producer's own memory excepted)."""
+        for key, rec in self.res.items():
+            if rec.ended is None:
+                self.fail(f"I3: reservation {key} never released")
+        if self.src_held and producer_alive:
+            self.fail(f"I3: source blocks still held for {sorted(self.src_held)}")
+        if reserved_blocks or held_blocks:
+            self.fail(f"I3: endpoints still count {reserved_blocks}/{held_blocks} blocks")
+
+
+def _flat(blocks: tuple[tuple[int, ...], ...]) -> frozenset[int]:
+    return frozenset(b for group in blocks for b in group)

@@ -1,0 +1,176 @@
+"""The stateful property test: every interleaving hypothesis can find.
+
+:class:`ProtocolMachine` drives one producer instance (TP x PP ranks) and one
+consumer instance (TP ranks) through a :class:`World`: reservations,
+preemptions with re-reservation, aborts from both sides, KV readiness, message
+delivery/drop/duplication/reordering/delay, writes that complete, fail or hang,
+a producer that dies, and time. The invariant checker fires after every step;
+the teardown stops inputs, lets every timer fire and checks that nothing leaked.
+:class:`FaultFreeMachine` removes the faults and additionally checks liveness:
+every transfer becomes ready.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvpush.protocol import Mode
+
+from ._world import World, WorldConfig
+from .strategies import modes, transfer_ids, world_configs
+
+__all__ = ("FaultFreeMachine", "ProtocolMachine")
+
+_index = st.integers(0, 1 << 16)
+
+
+class ProtocolMachine(RuleBasedStateMachine):
+    """Faults on: drop, duplicate, reorder, delay, failing/hanging writes,
+    aborts from both sides, producer death (detected or silent)."""
+
+    faults = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world = World(WorldConfig())
+
+    @initialize(config=world_configs(faults=True))
+    def setup(self, config: WorldConfig) -> None:
+        self.world = World(config)
+
+    # --- local inputs -------------------------------------------------------------
+
+    @rule(tid=transfer_ids(), mode=modes())
+    def reserve(self, tid: str, mode: Mode) -> None:
+        self.world.reserve(tid, mode)
+
+    @rule(tid=transfer_ids())
+    def preempt(self, tid: str) -> None:
+        self.world.preempt(tid)
+
+    @rule(tid=transfer_ids())
+    def kv_ready(self, tid: str) -> None:
+        self.world.kv_ready(tid)
+
+    @precondition(lambda self: self.faults)
+    @rule(tid=transfer_ids())
+    def abort_consumer(self, tid: str) -> None:
+        self.world.abort_consumer(tid)
+
+    @precondition(lambda self: self.faults)
+    @rule(tid=transfer_ids())
+    def abort_producer(self, tid: str) -> None:
+        self.world.abort_producer(tid)
+
+    @precondition(lambda self: self.faults and self.world.producer_alive)
+    @rule(detected=st.booleans())
+    def kill_producer(self, detected: bool) -> None:
+        self.world.kill_producer(detected)
+
+    # --- the network --------------------------------------------------------------
+
+    @precondition(lambda self: bool(self.world.net.queue))
+    @rule(i=_index)
+    def deliver(self, i: int) -> None:
+        self.world.deliver(i % len(self.world.net.queue))
+
+    @precondition(lambda self: self.faults and bool(self.world.net.queue))
+    @rule(i=_index)
+    def drop(self, i: int) -> None:
+        self.world.net.drop(i % len(self.world.net.queue))
+
+    @precondition(lambda self: bool(self.world.net.queue))
+    @rule(i=_index)
+    def duplicate(self, i: int) -> None:
+        self.world.net.duplicate(i % len(self.world.net.queue))
+
+    # --- the transport ------------------------------------------------------------
+
+    def _pick(self, i: int, posted: bool | None, landed: bool | None) -> int | None:
+        ops = [
+            k
+            for k, op in enumerate(self.world.ops)
+            if (posted is None or (op.posted_at is not None) == posted)
+            and (landed is None or op.landed == landed)
+        ]
+        return ops[i % len(ops)] if ops else None
+
+    @rule(i=_index)
+    def post(self, i: int) -> None:
+        k = self._pick(i, posted=False, landed=None)
+        if k is not None:
+            self.world.post(k)
+
+    @rule(i=_index)
+    def land(self, i: int) -> None:
+        k = self._pick(i, posted=True, landed=False)
+        if k is not None:
+            self.world.land(k)
+
+    @rule(i=_index)
+    def ack(self, i: int) -> None:
+        k = self._pick(i, posted=True, landed=True)
+        if k is not None:
+            self.world.ack(k)
+
+    @precondition(lambda self: self.faults)
+    @rule(i=_index)
+    def fail(self, i: int) -> None:
+        k = self._pick(i, posted=True, landed=False)
+        if k is not None:
+            self.world.fail(k)
+
+    @precondition(lambda self: self.faults)
+    @rule(i=_index)
+    def hang(self, i: int) -> None:
+        k = self._pick(i, posted=True, landed=False)
+        if k is not None:
+            self.world.hang(k)
+
+    @precondition(lambda self: bool(self.world.notices))
+    @rule(i=_index)
+    def notify(self, i: int) -> None:
+        self.world.notify(i % len(self.world.notices))
+
+    # --- time -------------------------------------------------------------------------
+
+    @rule(dt=st.sampled_from([0.01, 0.1, 0.5, 1.5, 4.0]))
+    def advance(self, dt: float) -> None:
+        self.world.advance(dt if self.faults else min(dt, 0.01))
+
+    # --- checks -------------------------------------------------------------------------
+
+    @invariant()
+    def block_accounting(self) -> None:
+        w = self.world
+        open_blocks = sum(len(r.blocks) for r in w.checker.res.values() if r.ended is None)
+        assert w.consumer.reserved_blocks == open_blocks
+        if w.producer_alive:
+            held = sum(len(b) for b in w.checker.src_held.values())
+            assert w.producer.held_blocks == held
+
+    def teardown(self) -> None:
+        w = self.world
+        if not self.faults:
+            # Every transfer gets its reservation and its KV, then everything runs.
+            for tid in [f"t{i}" for i in range(3)]:
+                if tid not in w.ready and tid not in w.live:
+                    w.reserve(tid)
+                w.kv_ready(tid)
+        w.quiesce()
+        if not self.faults:
+            everyone = {f"t{i}" for i in range(3)}
+            assert w.ready | w.late_rejections() == everyone, (w.ready, w.failure_reasons)
+            assert {t for t, _ in w.failed} <= w.late_rejections(), w.failure_reasons
+
+
+class FaultFreeMachine(ProtocolMachine):
+    """No drops, failures, aborts or deaths (duplicates and reordering stay):
+    every transfer must become ready (I5) with exactly one write per pair (I4)."""
+
+    faults = False
+
+    @initialize(config=world_configs(faults=False))
+    def setup(self, config: WorldConfig) -> None:
+        self.world = World(config)

@@ -1,0 +1,407 @@
+"""A producer and a consumer wired through a fake network and a model transport.
+
+:class:`World` is the harness behind the stateful property test and the
+exhaustive explorer, and it is public so that a serving framework can drive its
+own integration the same way. Every method is one *move*: it feeds one input,
+then routes everything the endpoints emit (messages into the network, writes
+and reads into the model transport, events into the invariant checker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpush.protocol import (
+    Completion,
+    Consumer,
+    ConsumerConfig,
+    Failed,
+    FailureReason,
+    Identity,
+    Mode,
+    Output,
+    Producer,
+    ProducerConfig,
+    Ready,
+    Released,
+    ReleaseOutcome,
+    Reserved,
+    Send,
+    SourceReleased,
+    StartRead,
+    StartWrite,
+    Timing,
+    compute_topology,
+)
+
+from ._fakes import FakeClock, FakeNetwork
+from ._invariants import InvariantChecker
+
+__all__ = ("Op", "World", "WorldConfig")
+
+P, D = "prefill", "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class WorldConfig:
+    """Shape of a world: parallelism, timing bounds and pool sizes."""
+
+    producer_tp: int = 1
+    consumer_tp: int = 1
+    producer_pp: int = 1
+    num_kv_heads: int = 8
+    mla: bool = False
+    max_transit: float = 1.0
+    op_bound: float = 2.0
+    ready_timeout: float = 10.0
+    kv_hold_timeout: float = 10.0
+    tombstone_ttl: float = 5.0
+    blocks_per_transfer: int = 2
+    pool_blocks: int = 64
+    max_reserved_blocks: int | None = None
+
+
+@dataclass(slots=True)
+class Op:
+    """A write (push) or read (pull) in the model transport."""
+
+    action: StartWrite | StartRead
+    posted_at: float | None = None
+    #: Landed but the initiator has not yet been told (writes only).
+    landed: bool = False
+
+
+@dataclass
+class World:
+    """One producer instance and one consumer instance, handshaken."""
+
+    config: WorldConfig = field(default_factory=WorldConfig)
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        timing = Timing(cfg.max_transit, cfg.op_bound)
+        heads = cfg.num_kv_heads
+        self.clock = FakeClock()
+        self.net: FakeNetwork[object] = FakeNetwork(cfg.max_transit)
+        self.producer = Producer(
+            ProducerConfig(
+                Identity(
+                    P, 1, tp=cfg.producer_tp, pp=cfg.producer_pp, num_kv_heads=heads, mla=cfg.mla
+                ),
+                timing,
+                kv_hold_timeout=cfg.kv_hold_timeout,
+                tombstone_ttl=cfg.tombstone_ttl,
+            )
+        )
+        self.consumer = Consumer(
+            ConsumerConfig(
+                Identity(D, 2, tp=cfg.consumer_tp, num_kv_heads=heads, mla=cfg.mla),
+                timing,
+                ready_timeout=cfg.ready_timeout,
+                max_reserved_blocks=cfg.max_reserved_blocks,
+            )
+        )
+        self.producer_alive = True
+        self.free_dst = list(range(cfg.pool_blocks))
+        self.free_src = list(range(cfg.pool_blocks))
+        self.ops: list[Op] = []
+        self.notices: list[Completion] = []
+        self.live: dict[str, int] = {}  # transfer -> live epoch
+        self.kv: dict[str, tuple[int, ...]] = {}  # transfer -> source blocks
+        self.ready: set[str] = set()
+        self.failed: set[tuple[str, int]] = set()
+        self.failure_reasons: dict[tuple[str, int], FailureReason] = {}
+        self.source_outcomes: dict[str, ReleaseOutcome] = {}
+        self.events: list[Output] = []
+        topology = compute_topology(
+            cfg.producer_tp, cfg.producer_pp, cfg.consumer_tp, heads, mla=cfg.mla
+        )
+        self.checker = InvariantChecker(topology, cfg.max_transit, cfg.op_bound)
+        # Handshake over a reliable path; faults start afterwards.
+        self.consumer.connect(0.0, P)
+        self._settle_handshake()
+        if self.consumer.peer(P).topology != topology:
+            raise AssertionError("handshake failed or disagrees with the model's topology")
+
+    def _settle_handshake(self) -> None:
+        for _ in range(4):
+            self.pump()
+            while self.net.queue:
+                self.deliver(0)
+
+    # --- local inputs -------------------------------------------------------------
+
+    def reserve(self, tid: str, mode: Mode = Mode.PUSH) -> bool:
+        """Reserve blocks for ``tid`` (a fresh epoch); False if not possible."""
+        n = self.config.blocks_per_transfer
+        if tid in self.live or tid in self.ready or len(self.free_dst) < n:
+            return False
+        blocks, self.free_dst = self.free_dst[:n], self.free_dst[n:]
+        now = self.clock.now
+        result = self.consumer.reserve(now, tid, P, [blocks], mode=mode)
+        if not isinstance(result, Reserved):
+            self.free_dst = blocks + self.free_dst
+            return False
+        self.live[tid] = result.epoch
+        deadline = now + self.config.ready_timeout
+        self.checker.reserved(now, tid, result.epoch, frozenset(blocks), deadline)
+        self.pump()
+        return True
+
+    def preempt(self, tid: str) -> bool:
+        epoch = self.live.pop(tid, None)
+        if epoch is None:
+            return False
+        self.checker.withdrawn_locally(tid, epoch)
+        self.consumer.preempt(self.clock.now, tid)
+        self.pump()
+        return True
+
+    def abort_consumer(self, tid: str) -> bool:
+        epoch = self.live.pop(tid, None)
+        if epoch is None:
+            return False
+        self.checker.withdrawn_locally(tid, epoch)
+        self.consumer.abort(self.clock.now, tid)
+        self.pump()
+        return True
+
+    def kv_ready(self, tid: str) -> bool:
+        n = self.config.blocks_per_transfer
+        if not self.producer_alive or tid in self.kv or len(self.free_src) < n:
+            return False
+        blocks, self.free_src = self.free_src[:n], self.free_src[n:]
+        self.kv[tid] = tuple(blocks)
+        self.checker.kv_ready(tid, frozenset(blocks))
+        self.producer.kv_ready(self.clock.now, tid, [blocks])
+        self.pump()
+        return True
+
+    def abort_producer(self, tid: str) -> bool:
+        if not self.producer_alive:
+            return False
+        self.producer.abort(self.clock.now, tid)
+        self.pump()
+        return True
+
+    def kill_producer(self, detected: bool) -> bool:
+        """The prefill process dies. Posted writes may still land within their
+        bound; nothing new is posted. ``detected``: the runtime noticed."""
+        if not self.producer_alive:
+            return False
+        self.producer_alive = False
+        self.net.drop_to(P)
+        self.ops = [
+            op for op in self.ops if op.posted_at is not None or isinstance(op.action, StartRead)
+        ]
+        if detected:
+            self.consumer.peer_lost(self.clock.now, P)
+            self.pump()
+        return True
+
+    # --- the network --------------------------------------------------------------
+
+    def deliver(self, index: int) -> None:
+        m = self.net.take(index)
+        now = self.clock.now
+        if m.dst == P:
+            if not self.producer_alive:
+                return
+            self.checker.producer_received(now, m.message)
+            self.producer.receive(now, m.src, m.message)  # type: ignore[arg-type]
+        else:
+            self.consumer.receive(now, m.src, m.message)  # type: ignore[arg-type]
+        self.pump()
+
+    # --- the model transport ------------------------------------------------------
+
+    def post(self, index: int) -> None:
+        """The adapter posts a queued write/read (or reports it expired)."""
+        op = self.ops[index]
+        assert op.posted_at is None
+        now = self.clock.now
+        if now > op.action.not_after:
+            del self.ops[index]
+            self._report(op, ok=False)
+            return
+        op.posted_at = now
+
+    def land(self, index: int) -> None:
+        """A posted op moves its bytes; a write's notice reaches the consumer
+        later (``notify``), its initiator is told later (``ack``)."""
+        op = self.ops[index]
+        assert op.posted_at is not None and not op.landed
+        self.checker.landed(self.clock.now, op.action)
+        if isinstance(op.action, StartWrite):
+            op.landed = True
+            self.notices.append(op.action.notice)
+        else:
+            del self.ops[index]
+            self._report(op, ok=True)
+
+    def ack(self, index: int) -> None:
+        """The initiator of a landed write learns it is done."""
+        op = self.ops.pop(index)
+        assert op.landed
+        self._report(op, ok=True)
+
+    def fail(self, index: int) -> None:
+        """A posted op fails (it may have moved some bytes first)."""
+        op = self.ops.pop(index)
+        assert op.posted_at is not None and not op.landed
+        self.checker.landed(self.clock.now, op.action)
+        self._report(op, ok=False)
+
+    def hang(self, index: int) -> None:
+        """A posted op never completes and nobody is told."""
+        op = self.ops.pop(index)
+        assert not op.landed
+
+    def notify(self, index: int) -> None:
+        """The consumer polls one completion notice."""
+        notice = self.notices.pop(index)
+        self.checker.notice_delivered(notice)
+        self.consumer.completion_received(self.clock.now, notice)
+        self.pump()
+
+    def _report(self, op: Op, ok: bool) -> None:
+        a, now = op.action, self.clock.now
+        if isinstance(a, StartWrite):
+            if not self.producer_alive:
+                return
+            src, rank = a.route.source, a.route.consumer_rank
+            if ok:
+                self.producer.write_done(now, a.transfer_id, a.epoch, src, rank)
+            else:
+                self.producer.write_failed(now, a.transfer_id, a.epoch, src, rank, "model failure")
+        else:
+            self.consumer.read_done(
+                now, a.transfer_id, a.epoch, a.route.source, a.route.consumer_rank, ok
+            )
+        self.pump()
+
+    # --- time -----------------------------------------------------------------------
+
+    def next_event_time(self) -> float | None:
+        """The next endpoint timer. (Message expiry and the op bound need no
+        event of their own: every tick applies them.)"""
+        times = [self.consumer.next_deadline()]
+        if self.producer_alive:
+            times.append(self.producer.next_deadline())
+        found = [t for t in times if t is not None]
+        return min(found) if found else None
+
+    def advance(self, dt: float) -> None:
+        """Let ``dt`` pass, firing every timer and bound on the way in order."""
+        target = self.clock.now + dt
+        for _ in range(100_000):
+            nxt = self.next_event_time()
+            if nxt is None or nxt > target:
+                break
+            self._tick(max(nxt, self.clock.now))
+        else:
+            raise AssertionError("timers keep firing without time moving")
+        self._tick(target)
+
+    def advance_to_next(self) -> bool:
+        """Jump just past the next timer or bound; False if there is none."""
+        nxt = self.next_event_time()
+        if nxt is None:
+            return False
+        self._tick(max(nxt, self.clock.now) + 1e-6)
+        return True
+
+    def _tick(self, now: float) -> None:
+        self.clock.now = now
+        self.net.expire(now)
+        bound = self.config.op_bound
+        # The transport bound: a posted op older than op_bound is dead.
+        self.ops = [
+            op
+            for op in self.ops
+            if op.landed or op.posted_at is None or now - op.posted_at <= bound
+        ]
+        self.consumer.handle_timer(now)
+        if self.producer_alive:
+            self.producer.handle_timer(now)
+        self.pump()
+        self.checker.check_time(now)
+
+    def late_rejections(self) -> set[str]:
+        """Transfers that failed only because a re-registration (after a
+        preemption) reached the producer after it had delivered every write of
+        the earlier epoch and released the KV: the documented fail-fast case."""
+        return {
+            tid
+            for (tid, _), reason in self.failure_reasons.items()
+            if reason is FailureReason.REJECTED
+            and self.source_outcomes.get(tid) is ReleaseOutcome.DELIVERED
+        }
+
+    def quiesce(self, limit: int = 10_000) -> None:
+        """Stop new inputs: deliver, post, land and acknowledge everything in
+        order, then let every timer fire. Checks I3 (nothing leaked)."""
+        for _ in range(limit):
+            if self.net.queue:
+                self.deliver(0)
+            elif self.notices:
+                self.notify(0)
+            elif any(op.posted_at is None for op in self.ops):
+                self.post(next(i for i, op in enumerate(self.ops) if op.posted_at is None))
+            elif any(not op.landed for op in self.ops):
+                self.land(next(i for i, op in enumerate(self.ops) if not op.landed))
+            elif self.ops:
+                self.ack(0)
+            elif not self.advance_to_next():
+                break
+        else:
+            raise AssertionError("the world did not quiesce")
+        self.checker.check_quiescent(
+            self.consumer.reserved_blocks,
+            self.producer.held_blocks if self.producer_alive else 0,
+            producer_alive=self.producer_alive,
+        )
+
+    # --- output routing -----------------------------------------------------------
+
+    def pump(self) -> None:
+        """Route everything both endpoints emitted."""
+        now = self.clock.now
+        moved = True
+        while moved:
+            moved = False
+            for out in self.consumer.drain():
+                moved = True
+                self.checker.consumer_output(now, out)
+                self._route(D, out)
+            if self.producer_alive:
+                for out in self.producer.drain():
+                    moved = True
+                    self.checker.producer_output(now, out)
+                    self._route(P, out)
+
+    def _route(self, me: str, out: Output) -> None:
+        if isinstance(out, Send):
+            if self.producer_alive or me != D:
+                self.net.send(self.clock.now, me, out.peer, out.message)
+        elif isinstance(out, StartWrite):
+            self.ops.append(Op(out))
+        elif isinstance(out, StartRead):
+            self.checker.consumer_read(out)
+            self.ops.append(Op(out))
+        elif isinstance(out, Ready):
+            self.ready.add(out.transfer_id)
+            self.live.pop(out.transfer_id, None)
+        elif isinstance(out, Released):
+            if self.live.get(out.transfer_id) == out.epoch:
+                del self.live[out.transfer_id]
+            self.free_dst.extend(b for g in out.blocks for b in g)
+        elif isinstance(out, SourceReleased):
+            self.free_src.extend(b for g in out.blocks for b in g)
+            self.source_outcomes[out.transfer_id] = out.outcome
+        elif isinstance(out, Failed):
+            self.failed.add((out.transfer_id, out.epoch))
+            self.failure_reasons[(out.transfer_id, out.epoch)] = out.reason
+            if self.live.get(out.transfer_id) == out.epoch:
+                del self.live[out.transfer_id]
+        self.events.append(out)

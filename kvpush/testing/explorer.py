@@ -1,0 +1,313 @@
+"""Exhaustive explorer: every interleaving of a small configuration.
+
+Where the stateful property test samples interleavings, this walks all of them
+for a small world (by default 2 transfers, producer TP 2 -> consumer TP 1, one
+preemption with re-reservation and one duplicated message, on a network that
+loses nothing), checks I1-I4 after every move and I3/I5 at every end state, and
+counts the distinct states it visited. Run it with ``python -m
+kvpush.testing.explorer`` (``--help`` lists the knobs).
+
+Moves are the core's inputs: reserve, preempt, KV ready, delivering or
+duplicating any message in flight, a write landing, its initiator being told,
+its notice being polled, and (only when nothing else can happen) time jumping
+to the next timer. States are deduplicated on a canonical form of the two
+endpoints, the network and the model transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from ._clone import clone_world
+from ._world import World, WorldConfig
+
+__all__ = ("ExploreResult", "explore")
+
+
+@dataclass(frozen=True, slots=True)
+class ExploreResult:
+    """What a walk found."""
+
+    states: int
+    terminal_states: int
+    transitions: int
+    max_depth: int
+
+
+@dataclass
+class _Node:
+    world: World
+    preempts_left: int
+    dups_left: int
+    reserved: frozenset[str]
+    rereserve: frozenset[str]  # preempted, waiting for their new epoch
+
+
+def _clone(node: _Node) -> _Node:
+    return _Node(
+        clone_world(node.world),
+        node.preempts_left,
+        node.dups_left,
+        node.reserved,
+        node.rereserve,
+    )
+
+
+def _res_key(r: Any) -> tuple[object, ...]:
+    return (
+        r.transfer_id,
+        r.epoch,
+        r.state.name,
+        r.blocks,
+        r.mode.name,
+        sorted(repr(p) for p in r.done),
+        sorted(repr(p) for p in r.settled),
+        r.failed,
+        r.after_reads,
+        sorted(r.timers.items()),
+        r.quarantine_at,
+        r.op_deadline,
+    )
+
+
+def _tx_key(t: Any) -> tuple[object, ...]:
+    return (
+        t.transfer_id,
+        t.state.name,
+        t.peer,
+        t.max_epoch,
+        t.src,
+        t.released,
+        repr(t.reg),
+        repr(t.pending),
+        t.withdrawn,
+        sorted(repr(p) for p in t.inflight),
+        t.write_failed,
+        sorted(t.owe),
+        t.ending,
+        sorted(t.timers.items()),
+        t.hold_until,
+        t.op_deadline,
+        t.quarantine_at,
+        t.expires_at,
+    )
+
+
+def _digest(node: _Node) -> bytes:
+    """A 16-byte fingerprint of everything that decides the future: both
+    endpoints' records, the network, the model transport and the budgets.
+    (Histories such as timelines and counters are left out.)"""
+    w = node.world
+    state = (
+        round(w.clock.now, 9),
+        sorted(repr((m.src, m.dst, m.message)) for m in w.net.queue),
+        sorted(repr((op.action, op.landed)) for op in w.ops),
+        sorted(repr(n) for n in w.notices),
+        sorted(_res_key(r) for r in w.consumer._res.values()),
+        sorted(_tx_key(t) for t in w.producer._tx.values()),
+        sorted(w.live.items()),
+        node.preempts_left,
+        node.dups_left,
+        sorted(node.reserved),
+        sorted(node.rereserve),
+    )
+    return hashlib.blake2b(repr(state).encode(), digest_size=16).digest()
+
+
+Move = tuple[str, Callable[[_Node], None]]
+
+
+def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[Move]:
+    w = node.world
+    for tid in transfers:
+        if tid not in node.reserved or tid in node.rereserve:
+            yield f"reserve {tid}", partial(_reserve, tid=tid)
+        if tid not in w.kv:
+            yield f"kv_ready {tid}", partial(_kv_ready, tid=tid)
+        if node.preempts_left and tid in w.live:
+            yield f"preempt {tid}", partial(_preempt, tid=tid)
+    seen: set[str] = set()
+    for i, m in enumerate(w.net.queue):
+        key = repr((m.src, m.dst, m.message))
+        if key in seen:
+            continue
+        seen.add(key)
+        yield f"deliver {key}", partial(_deliver, index=i)
+        if node.dups_left:
+            yield f"duplicate {key}", partial(_dup, index=i)
+    # A write lands at the latest moment the model allows: just before the first
+    # of "its initiator is told" and "its notice is polled" (both imply it
+    # landed). Landing later is never safer, so nothing is lost for I1.
+    for i, op in enumerate(w.ops):
+        yield f"ack {op.action!r}", partial(_ack, index=i)
+        if not op.landed:
+            yield f"notify {op.action!r}", partial(_land_and_notify, index=i)
+    for i, notice in enumerate(w.notices):
+        yield f"notify {notice!r}", partial(_notify, index=i)
+
+
+def _kv_ready(node: _Node, tid: str) -> None:
+    node.world.kv_ready(tid)
+
+
+def _deliver(node: _Node, index: int) -> None:
+    node.world.deliver(index)
+
+
+def _notify(node: _Node, index: int) -> None:
+    node.world.notify(index)
+
+
+def _reserve(node: _Node, tid: str) -> None:
+    node.world.reserve(tid)
+    node.reserved |= {tid}
+    node.rereserve -= {tid}
+
+
+def _preempt(node: _Node, tid: str) -> None:
+    node.world.preempt(tid)
+    node.preempts_left -= 1
+    node.rereserve |= {tid}
+
+
+def _dup(node: _Node, index: int) -> None:
+    node.world.net.duplicate(index)
+    node.dups_left -= 1
+
+
+def _land(node: _Node, index: int) -> None:
+    w = node.world
+    if w.ops[index].posted_at is None:
+        w.post(index)
+    if index < len(w.ops) and not w.ops[index].landed:
+        w.land(index)
+
+
+def _ack(node: _Node, index: int) -> None:
+    _land(node, index)
+    w = node.world
+    if index < len(w.ops) and w.ops[index].landed:
+        w.ack(index)
+
+
+def _land_and_notify(node: _Node, index: int) -> None:
+    _land(node, index)
+    w = node.world
+    if w.notices:
+        w.notify(len(w.notices) - 1)
+
+
+def explore(
+    config: WorldConfig | None = None,
+    *,
+    transfers: int = 2,
+    preemptions: int = 1,
+    duplicates: int = 1,
+    limit: int = 2_000_000,
+) -> ExploreResult:
+    """Walk every interleaving; raise :class:`InvariantViolation` on the first
+    broken invariant (with the path in the message)."""
+    if config is None:
+        config = WorldConfig(
+            producer_tp=2,
+            consumer_tp=1,
+            max_transit=1e6,
+            ready_timeout=1e6,
+            kv_hold_timeout=1e6,
+            tombstone_ttl=2e6,
+        )
+    names = tuple(f"t{i}" for i in range(transfers))
+    world = World(config)
+    world.events = _Discard()
+    root = _Node(world, preemptions, duplicates, frozenset(), frozenset())
+    visited = {_digest(root)}
+    stack: list[tuple[_Node, list[str]]] = [(root, [])]
+    terminal = transitions = depth = 0
+    while stack:
+        node, path = stack.pop()
+        depth = max(depth, len(path))
+        moves = list(_moves(node, names))
+        if not moves:
+            nxt = _clone(node)
+            if nxt.world.advance_to_next():
+                moves = [("timer", _nothing)]
+                node = nxt
+            else:
+                _check_end(node, names, path)
+                terminal += 1
+                continue
+        for label, move in moves:
+            child = _clone(node)
+            try:
+                move(child)
+            except AssertionError as exc:
+                raise type(exc)(f"{exc}\n  after: {' -> '.join([*path, label])}") from None
+            transitions += 1
+            key = _digest(child)
+            if key in visited:
+                continue
+            visited.add(key)
+            if len(visited) > limit:
+                raise RuntimeError(f"more than {limit} states: shrink the configuration")
+            stack.append((child, [*path, label]))
+    return ExploreResult(len(visited), terminal, transitions, depth)
+
+
+def _nothing(node: _Node) -> None:
+    """The move after a timer jump (the jump itself already happened)."""
+
+
+def _check_end(node: _Node, names: tuple[str, ...], path: list[str]) -> None:
+    w = node.world
+    try:
+        w.checker.check_quiescent(w.consumer.reserved_blocks, w.producer.held_blocks)
+        missing = set(names) - w.ready - w.late_rejections()
+        if missing:
+            raise AssertionError(f"I5: {sorted(missing)} never became ready; failed {w.failed}")
+    except AssertionError as exc:
+        raise type(exc)(f"{exc}\n  after: {' -> '.join(path)}") from None
+
+
+class _Discard(list):  # type: ignore[type-arg]
+    """An event list that keeps nothing (the explorer needs no history)."""
+
+    def append(self, item: object) -> None:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpush.testing.explorer")
+    parser.add_argument("--transfers", type=int, default=2)
+    parser.add_argument("--producer-tp", type=int, default=2)
+    parser.add_argument("--consumer-tp", type=int, default=1)
+    parser.add_argument("--preemptions", type=int, default=1)
+    parser.add_argument("--duplicates", type=int, default=1)
+    args = parser.parse_args(argv)
+    config = WorldConfig(
+        producer_tp=args.producer_tp,
+        consumer_tp=args.consumer_tp,
+        max_transit=1e6,
+        ready_timeout=1e6,
+        kv_hold_timeout=1e6,
+        tombstone_ttl=2e6,
+    )
+    result = explore(
+        config,
+        transfers=args.transfers,
+        preemptions=args.preemptions,
+        duplicates=args.duplicates,
+    )
+    print(json.dumps({**dataclasses.asdict(result), "config": vars(args)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

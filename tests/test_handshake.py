@@ -1,0 +1,371 @@
+"""Handshake: compatibility verdicts on both sides, restarts, waiting reservations."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytest
+
+from kvpush.protocol import (
+    Completion,
+    Consumer,
+    ConsumerConfig,
+    ControlMessage,
+    CState,
+    Failed,
+    FailureReason,
+    Hello,
+    HelloReject,
+    Identity,
+    Mode,
+    Output,
+    PeerFailed,
+    PeerReady,
+    PeerState,
+    Producer,
+    ProducerConfig,
+    PState,
+    Ready,
+    Refused,
+    RefuseReason,
+    Register,
+    Released,
+    Reserved,
+    Role,
+    Send,
+    Source,
+    StartWrite,
+    compute_topology,
+)
+from kvpush.protocol._tables import PEER, PeerInput
+
+P, D = "prefill", "decode"
+T = TypeVar("T")
+
+
+class Wire:
+    """Two endpoints and the control messages in flight between them, moved by hand."""
+
+    def __init__(self, *ends: Producer | Consumer) -> None:
+        self.ends = {e.identity.engine_id: e for e in ends}
+        self.inflight: list[tuple[str, str, ControlMessage]] = []
+        self.events: dict[str, list[Output]] = {name: [] for name in self.ends}
+        self.delivered: list[tuple[str, str, ControlMessage]] = []
+        self.now = 0.0
+
+    def collect(self) -> None:
+        for name, end in self.ends.items():
+            for out in end.drain():
+                if isinstance(out, Send):
+                    self.inflight.append((name, out.peer, out.message))
+                else:
+                    self.events[name].append(out)
+
+    def deliver(self) -> None:
+        """Deliver everything in flight, and whatever that provokes, in order."""
+        self.collect()
+        while self.inflight:
+            src, dst, msg = self.inflight.pop(0)
+            self.delivered.append((src, dst, msg))
+            self.ends[dst].receive(self.now, src, msg)
+            self.collect()
+
+    def take(self, name: str, kind: type[T]) -> list[T]:
+        """Remove and return the events of ``kind`` that ``name`` emitted."""
+        got: list[T] = [e for e in self.events[name] if isinstance(e, kind)]
+        self.events[name] = [e for e in self.events[name] if not isinstance(e, kind)]
+        return got
+
+
+def producer(**kw: Any) -> Producer:
+    return Producer(ProducerConfig(Identity(P, kw.pop("instance", 1), **kw)))
+
+
+def consumer(**kw: Any) -> Consumer:
+    base = kw.pop("epoch_base", 0)
+    return Consumer(ConsumerConfig(Identity(D, kw.pop("instance", 1), **kw), epoch_base=base))
+
+
+def test_compatible_pair_ready_on_both() -> None:
+    w = Wire(producer(tp=2), consumer(tp=1))
+    w.ends[D].connect(0.0, P)
+    w.deliver()
+    topo = compute_topology(2, 1, 1, 8)
+    assert w.take(P, PeerReady) == [PeerReady(D, topo)]
+    assert w.take(D, PeerReady) == [PeerReady(P, topo)]
+    assert [type(m) for _, _, m in w.delivered] == [Hello, Hello]
+    for name, other in ((P, D), (D, P)):
+        view = w.ends[name].peer(other)
+        assert view.state is PeerState.READY
+        assert view.topology == topo
+        assert view.failure is None
+        assert w.events[name] == []
+
+
+def test_connect_again_when_ready_sends_nothing() -> None:
+    w = Wire(producer(), consumer())
+    w.ends[D].connect(0.0, P)
+    w.deliver()
+    w.ends[D].connect(1.0, P)
+    w.ends[P].connect(1.0, D)
+    w.collect()
+    assert w.inflight == []
+
+
+_INCOMPATIBLE: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("topology", {"tp": 3}, {}),
+    ("kv_groups", {"kv_groups": 2}, {}),
+    ("dtype", {"fingerprint": (("dtype", "bf16"),)}, {"fingerprint": (("dtype", "fp8"),)}),
+    ("layout", {"fingerprint": (("layout", "NHD"),)}, {}),
+    ("num_kv_heads", {"num_kv_heads": 4}, {}),
+    ("mla", {"mla": True}, {}),
+    ("modes", {"modes": (Mode.PUSH,)}, {"modes": (Mode.PULL,)}),
+    ("pp", {}, {"pp": 2}),
+]
+
+
+@pytest.mark.parametrize("initiator", [D, P])
+@pytest.mark.parametrize(("field", "p_kw", "c_kw"), _INCOMPATIBLE)
+def test_incompatible_pair_fails_on_both_sides(
+    field: str, p_kw: dict[str, Any], c_kw: dict[str, Any], initiator: str
+) -> None:
+    w = Wire(producer(**p_kw), consumer(**c_kw))
+    w.ends[initiator].connect(0.0, P if initiator == D else D)
+    w.deliver()
+    for name, other in ((P, D), (D, P)):
+        failed = w.take(name, PeerFailed)
+        assert [(f.peer, f.field) for f in failed] == [(other, field)], name
+        assert failed[0].detail
+        view = w.ends[name].peer(other)
+        assert view.state is PeerState.FAILED
+        assert view.failure is not None
+        assert view.failure[0] == field
+        assert view.topology is None
+        assert w.take(name, PeerReady) == []
+
+
+def test_version_mismatch_fails_on_both_sides() -> None:
+    p = producer()
+    p._hello = dataclasses.replace(p._hello, version=p._hello.version + 1)
+    w = Wire(p, consumer())
+    w.ends[D].connect(0.0, P)
+    w.deliver()
+    assert [f.field for f in w.take(P, PeerFailed)] == ["version"]
+    assert [f.field for f in w.take(D, PeerFailed)] == ["version"]
+
+
+def test_role_mismatch_fails_on_both_sides() -> None:
+    other = Consumer(ConsumerConfig(Identity(P, 1)))
+    w = Wire(other, consumer())
+    w.ends[D].connect(0.0, P)
+    w.deliver()
+    assert [(f.peer, f.field) for f in w.take(P, PeerFailed)] == [(D, "role")]
+    assert [(f.peer, f.field) for f in w.take(D, PeerFailed)] == [(P, "role")]
+
+
+def test_hello_with_wrong_engine_id_is_refused() -> None:
+    p = producer()
+    p.receive(0.0, D, Identity("someone-else", 1).hello(Role.CONSUMER, 10.0))
+    assert p.drain() == [Send(D, HelloReject("engine_id", "does not match the sender"))]
+    assert p.stats()["hello_wrong_engine_id"] == 1
+    assert p.peer(D).state is PeerState.DISCONNECTED
+
+
+def test_reservation_waiting_on_failed_handshake_is_released() -> None:
+    c = consumer()
+    w = Wire(producer(tp=3), c)
+    reply = c.reserve(0.0, "t1", P, [[1, 2]])
+    assert isinstance(reply, Reserved)
+    w.deliver()
+    (failed,) = w.take(D, Failed)
+    assert failed.reason is FailureReason.HANDSHAKE_FAILED
+    assert "topology" in failed.detail
+    assert [r.transfer_id for r in w.take(D, Released)] == ["t1"]
+    assert c.reservations() == []
+    assert c.reserved_blocks == 0
+    assert not any(isinstance(m, Register) for _, _, m in w.delivered)
+
+
+def test_reserve_before_handshake_waits_then_registers() -> None:
+    w = Wire(producer(), consumer())
+    c = w.ends[D]
+    assert isinstance(c, Consumer)
+    r1 = c.reserve(0.0, "t1", P, [[1, 2]])
+    r2 = c.reserve(0.0, "t2", P, [[3]])
+    assert isinstance(r1, Reserved)
+    assert isinstance(r2, Reserved)
+    w.collect()
+    # one hello, no registration yet
+    assert [type(m) for _, _, m in w.inflight] == [Hello]
+    assert {(t, s) for t, _, s in c.reservations()} == {
+        ("t1", CState.WAITING_PEER),
+        ("t2", CState.WAITING_PEER),
+    }
+    w.deliver()
+    regs = [m for _, _, m in w.delivered if isinstance(m, Register)]
+    assert [(m.transfer_id, m.epoch, m.blocks) for m in regs] == [
+        ("t1", r1.epoch, ((1, 2),)),
+        ("t2", r2.epoch, ((3,),)),
+    ]
+    assert {s for _, _, s in c.reservations()} == {CState.AWAITING}
+    p = w.ends[P]
+    assert isinstance(p, Producer)
+    assert sorted(p.transfers()) == [("t1", PState.WAIT_KV), ("t2", PState.WAIT_KV)]
+
+
+def test_reserve_against_failed_peer_is_refused() -> None:
+    w = Wire(producer(kv_groups=2), consumer())
+    w.ends[D].connect(0.0, P)
+    w.deliver()
+    c = w.ends[D]
+    assert isinstance(c, Consumer)
+    assert c.peer(P).state is PeerState.FAILED
+    assert c.reserve(1.0, "t1", P, [[1]]) == Refused("t1", RefuseReason.PEER_FAILED)
+    assert c.drain() == []
+    assert c.reservations() == []
+    assert c.reserved_blocks == 0
+
+
+def test_producer_restart_drops_old_state_and_handshakes_again() -> None:
+    w = Wire(producer(), consumer())
+    c = w.ends[D]
+    assert isinstance(c, Consumer)
+    old = c.reserve(0.0, "t1", P, [[1, 2]])
+    assert isinstance(old, Reserved)
+    w.deliver()
+    w.take(D, PeerReady)
+    # the producer process restarts: same engine id, new instance, no memory
+    fresh = producer(instance=2)
+    w.ends[P] = fresh
+    w.events[P] = []
+    w.now = 1.0
+    fresh.connect(1.0, D)
+    w.deliver()
+    (failed,) = w.take(D, Failed)
+    assert (failed.transfer_id, failed.epoch) == ("t1", old.epoch)
+    assert failed.reason is FailureReason.PEER_LOST
+    assert c.stats()["peer_restarted"] == 1
+    assert c.reservations() == [("t1", old.epoch, CState.DRAINING)]
+    assert c.peer(P).state is PeerState.READY
+    assert c.peer(P).hello is not None
+    assert c.peer(P).hello.instance == 2  # type: ignore[union-attr]
+    assert len(w.take(D, PeerReady)) == 1
+    assert len(w.take(P, PeerReady)) == 1
+    # a completion of the old instance's epoch cannot make anything ready
+    c.completion_received(1.0, Completion("t1", old.epoch, Source(0), 0))
+    assert w.take(D, Ready) == []
+    # the new instance serves new reservations end to end
+    new = c.reserve(2.0, "t1", P, [[7]])
+    assert isinstance(new, Reserved)
+    assert new.epoch > old.epoch
+    w.deliver()
+    fresh.kv_ready(2.0, "t1", [[0]])
+    w.collect()
+    (write,) = w.take(P, StartWrite)
+    assert (write.epoch, write.dst_blocks) == (new.epoch, ((7,),))
+    fresh.write_done(2.5, "t1", write.epoch, write.route.source, write.route.consumer_rank)
+    c.completion_received(2.5, write.notice)
+    w.collect()
+    assert [(r.transfer_id, r.epoch) for r in w.take(D, Ready)] == [("t1", new.epoch)]
+
+
+def test_consumer_restart_drops_producer_registrations() -> None:
+    w = Wire(producer(), consumer())
+    c = w.ends[D]
+    p = w.ends[P]
+    assert isinstance(c, Consumer)
+    assert isinstance(p, Producer)
+    c.reserve(0.0, "t1", P, [[1, 2]])
+    w.deliver()
+    assert p.transfers() == [("t1", PState.WAIT_KV)]
+    fresh = consumer(instance=2, epoch_base=1000)
+    w.ends[D] = fresh
+    w.events[D] = []
+    fresh.connect(1.0, P)
+    w.deliver()
+    assert p.stats()["peer_restarted"] == 1
+    assert p.peer(D).state is PeerState.READY
+    # the old registration is gone: ready KV is held, not written to old blocks
+    assert p.transfers() == [("t1", PState.IDLE)]
+    p.kv_ready(1.0, "t1", [[0]])
+    w.collect()
+    assert w.take(P, StartWrite) == []
+    assert p.transfers() == [("t1", PState.HOLDING)]
+    reply = fresh.reserve(1.0, "t1", P, [[9]])
+    assert isinstance(reply, Reserved)
+    w.deliver()
+    (write,) = w.take(P, StartWrite)
+    assert (write.epoch, write.dst_blocks) == (reply.epoch, ((9,),))
+
+
+# --- the PEER table: remote inputs never raise, local ones are total ---------------
+
+
+def _in_state(state: PeerState) -> tuple[Wire, Producer, Consumer]:
+    """A producer whose view of the consumer is in ``state``."""
+    p, c = producer(), consumer()
+    w = Wire(p, c)
+    if state is PeerState.HELLO_SENT:
+        p.connect(0.0, D)
+    elif state is PeerState.READY:
+        c.connect(0.0, P)
+        w.deliver()
+    elif state is PeerState.FAILED:
+        c.connect(0.0, P)
+        w.collect()
+        w.inflight.clear()
+        p.receive(0.0, D, dataclasses.replace(c._hello, kv_groups=3))
+    w.collect()
+    w.inflight.clear()
+    assert p.peer(D).state is state
+    return w, p, c
+
+
+_REMOTE: dict[PeerInput, Callable[[Consumer], ControlMessage]] = {
+    PeerInput.HELLO_OK: lambda c: c._hello,
+    # a *restarted* instance (a same-instance hello in READY is a duplicate)
+    PeerInput.HELLO_BAD: lambda c: dataclasses.replace(c._hello, kv_groups=3, instance=2),
+    PeerInput.REJECT: lambda c: HelloReject("dtype", "bf16 here, fp8 there"),
+}
+
+
+@pytest.mark.parametrize("state", list(PeerState))
+@pytest.mark.parametrize("inp", list(_REMOTE))
+def test_peer_remote_inputs_never_raise(state: PeerState, inp: PeerInput) -> None:
+    _, p, c = _in_state(state)
+    p.receive(1.0, D, _REMOTE[inp](c))
+    expected = PEER.get((state, inp), state)
+    if inp is PeerInput.HELLO_OK and state is PeerState.READY:
+        assert p.stats()["hello_duplicate"] == 1
+    assert p.peer(D).state is expected
+
+
+def test_peer_table_is_total() -> None:
+    assert {(s, i) for s in PeerState for i in PeerInput} == set(PEER)
+
+
+@pytest.mark.parametrize("state", list(PeerState))
+def test_peer_local_inputs_are_total(state: PeerState) -> None:
+    for inp in (PeerInput.CONNECT, PeerInput.LOST):
+        assert (state, inp) in PEER
+    _, p, _ = _in_state(state)
+    p.peer_lost(1.0, D)
+    assert p.peer(D).state is PeerState.DISCONNECTED
+    p.connect(2.0, D)
+    assert p.peer(D).state is PeerState.HELLO_SENT
+
+
+def test_peer_lost_for_unknown_peer_is_counted() -> None:
+    p = producer()
+    p.peer_lost(0.0, "nobody")
+    assert p.stats()["peer_lost_unknown"] == 1
+    assert p.drain() == []
+
+
+def test_unsolicited_reject_reports_failure() -> None:
+    c = consumer()
+    c.receive(0.0, P, HelloReject("dtype", "bf16 here, fp8 there"))
+    assert c.drain() == [PeerFailed(P, "dtype", "bf16 here, fp8 there")]
+    assert c.reserve(0.0, "t1", P, [[1]]) == Refused("t1", RefuseReason.PEER_FAILED)
