@@ -5,12 +5,19 @@ random body, and valid frames and notices after random edits: bit flips, byte
 sets, truncation, extension, insertion, deletion, splicing, header edits and
 msgpack field type swaps) to ``Codec.decode`` / ``Codec.decode_notice``, with and
 without a secret; half the edited frames for the signed codec are re-signed so
-the edit gets past the MAC. Every input must decode to a message that
-round-trips or raise ``RemoteProtocolError``; anything else is counted in
-``other_exceptions`` (must be 0) and the first few are printed to stderr.
+the edit gets past the MAC. The seed corpus holds every message type, half the
+Hellos with a KV layout (a few regions: vLLM-style split, interleaved or MLA
+tensors, or hand-built regions; both head orders, DRAM and VRAM) and Registers
+with random ``skip_tokens``; some inputs edit a Hello's layout document itself
+(its bytes, or one value or key of it) and re-wrap it in a well-formed bin, so
+the edit reaches the nested unpacker and ``KVLayout.from_wire``. Every input
+must decode to a message that round-trips or raise ``RemoteProtocolError``;
+anything else is counted in ``other_exceptions`` (must be 0) and the first few
+are printed to stderr.
 
-Prints one JSON object: the fuzz counts plus sizes and encode/decode times of a
-Register with 64 block ids and of a Completion notice.
+Prints one JSON object: the fuzz counts (``layout_edits``: how many inputs were
+layout edits) plus sizes and encode/decode times of a Register with 64 block
+ids, of a Hello with a 64-region layout and of a Completion notice.
 
     python benchmarks/fuzz_codec.py --n 1000000 [--seed 1]
 """
@@ -35,11 +42,15 @@ from kvpush.protocol import (
     Abort,
     Announce,
     Completion,
+    HeadOrder,
     Heartbeat,
     Hello,
     HelloReject,
+    KVLayout,
+    MemoryType,
     Mode,
     ReadDone,
+    Region,
     Register,
     Rejected,
     RejectReason,
@@ -49,12 +60,15 @@ from kvpush.protocol import (
     Source,
     Withdraw,
     WriteFailed,
+    layer_regions,
 )
 from kvpush.protocol._codec import Codec
 
 SECRET = b"fuzz-secret-0123456789abcdef"
 PLAIN = Codec()
 SIGNED = Codec(secret=SECRET)
+#: Counts of what the corpus and the inputs held (reported in the JSON).
+STATS: Counter[str] = Counter()
 
 # Code point ranges without surrogates: ASCII, 2-, 3- and 4-byte UTF-8.
 _RANGES = ((0x20, 0x7E), (0x80, 0x7FF), (0x800, 0xD7FF), (0x10000, 0x10FFFF))
@@ -96,6 +110,67 @@ def blocks(rng: random.Random) -> tuple[tuple[int, ...], ...]:
     return tuple(groups)
 
 
+_KIND_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-"
+
+
+def random_layout(rng: random.Random) -> KVLayout:
+    """A valid layout of a few regions in 1-3 KV groups, in a random order."""
+    regions: list[Region] = []
+    layer = edge_int(rng, 0, (1 << 20) - 12)
+    for group in range(rng.choice([1, 1, 1, 2, 3])):
+        num_blocks = edge_int(rng, 1, 1 << 16)
+        tokens = rng.choice([1, 16, 16, 32, 64, rng.randint(1, 1 << 16)])
+        heads = rng.choice([1, 2, 8, rng.randint(1, 64)])
+        head_bytes = rng.choice([2, 128, 256, 1152, rng.randint(1, 4096)])
+        order = rng.choice(list(HeadOrder))
+        memory = rng.choice(list(MemoryType))
+        device = edge_int(rng, 0, (1 << 31) - 1)
+        if rng.random() < 0.6:
+            n = rng.randint(1, 3)
+            regions += layer_regions(
+                [rng.randrange(1 << 48) for _ in range(n)],
+                num_blocks=num_blocks,
+                tokens_per_block=tokens,
+                num_heads=heads,
+                head_bytes=head_bytes,
+                head_start=rng.choice([0, heads, rng.randrange(1 << 10)]),
+                packing=rng.choice(["split", "interleaved", "mla"]),
+                order=order,
+                memory=memory,
+                device=device,
+                group=group,
+                first_layer=layer,
+            )
+            layer += n
+            continue
+        block_len = tokens * heads * head_bytes
+        kinds = {"".join(rng.choices(_KIND_CHARS, k=rng.randint(1, 32))) for _ in range(3)}
+        for kind in sorted(kinds)[: rng.randint(1, 3)]:
+            stride = block_len + rng.choice([0, 0, 64, block_len])
+            extent = (num_blocks - 1) * stride + block_len
+            regions.append(
+                Region(
+                    layer=layer,
+                    kind=kind,
+                    base=edge_int(rng, 0, (1 << 63) - extent),
+                    num_blocks=num_blocks,
+                    block_len=block_len,
+                    block_stride=stride,
+                    tokens_per_block=tokens,
+                    num_heads=heads,
+                    head_bytes=head_bytes,
+                    head_start=edge_int(rng, 0, (1 << 16) - 1),
+                    order=order,
+                    memory=memory,
+                    device=device,
+                    group=group,
+                )
+            )
+        layer += 1
+    rng.shuffle(regions)
+    return KVLayout(tuple(regions))
+
+
 def random_message(rng: random.Random) -> Any:
     tid = text(rng, 1, 64)
     epoch = edge_int(rng, 0, (1 << 63) - 1)
@@ -118,12 +193,14 @@ def random_message(rng: random.Random) -> Any:
             tuple(fp.items()),
             modes,
             edge_int(rng, 0, 0xFFFF),
+            random_layout(rng) if rng.random() < 0.5 else None,
         )
     if kind == 1:
         return HelloReject(text(rng, 0, 20), text(rng, 0, 100))
     if kind == 2:
         mode = rng.choice(list(Mode))
-        return Register(tid, epoch, text(rng, 1, 32), blocks(rng), seconds(rng, False), mode)
+        skip = rng.choice([0, 0, 16 * rng.randint(1, 4096), edge_int(rng, 0, (1 << 63) - 1)])
+        return Register(tid, epoch, text(rng, 1, 32), blocks(rng), seconds(rng, False), mode, skip)
     if kind in (3, 4, 5):
         return (Withdraw, Abort, Settled)[kind - 3](tid, epoch)
     if kind == 6:
@@ -198,6 +275,38 @@ def type_swap(rng: random.Random, data: bytes, mac: int) -> bytes:
     return data[:6] + packed
 
 
+_EDGES = (0, 1, -1, 255, 1 << 16, (1 << 16) - 1, 1 << 20, 1 << 31, (1 << 63) - 1, 1 << 63)
+
+
+def layout_edit(rng: random.Random, data: bytes, docs: list[bytes]) -> bytes:
+    """A plain Hello frame whose layout document is edited, still in a well-formed bin."""
+    body = msgpack.unpackb(data[6:])
+    r = rng.random()
+    if r < 0.35:
+        doc = mutate(rng, body[-1], docs)
+    else:
+        obj = msgpack.unpackb(body[-1])
+        regions = obj["regions"]
+        target = obj if rng.random() < 0.1 else rng.choice(regions)
+        key = rng.choice(sorted(target))
+        if r < 0.55:
+            target[key] = wire_value(rng)
+        elif r < 0.65:
+            del target[key]
+        elif r < 0.72:
+            target[rng.choice([text(rng, 0, 12), "regions", "layer", "Kind"])] = wire_value(rng)
+        elif r < 0.8:
+            regions.append(dict(rng.choice(regions)))  # a duplicate region
+        elif type(target[key]) is int:  # near-valid: an edge or an off-by-one
+            target[key] = rng.choice([target[key] - 1, target[key] + 1, rng.choice(_EDGES)])
+        else:
+            target[key] = rng.choice(["NHD", "HND", "DRAM", "VRAM", "K", "", "x" * 33])
+        doc = msgpack.packb(obj)
+    body[-1] = doc
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return data[:6] + packed
+
+
 def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
     buf = bytearray(data)
     for _ in range(rng.choice([1, 1, 1, 2, 3])):
@@ -227,13 +336,22 @@ def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
 
 
 def make_input(
-    rng: random.Random, frames: list[tuple[bytes, bytes]], notices: list[tuple[bytes, bytes]]
+    rng: random.Random,
+    frames: list[tuple[bytes, bytes]],
+    notices: list[tuple[bytes, bytes]],
+    layouts: tuple[list[bytes], list[bytes]],
 ) -> tuple[Codec, bool, bytes]:
-    """(codec, is-notice, data) for one fuzz input."""
+    """(codec, is-notice, data) for one fuzz input; ``layouts`` holds plain Hello
+    frames with a layout and those layouts' documents."""
     notice = rng.random() < 0.25
     signed = rng.random() < 0.5
     codec = SIGNED if signed else PLAIN
     mac = (16 if notice else 32) if signed else 0
+    r = rng.random()
+    if not notice and r < 0.06:
+        STATS["layout_edits"] += 1
+        data = layout_edit(rng, rng.choice(layouts[0]), layouts[1])
+        return codec, notice, sign(data, mac) if signed else data
     r = rng.random()
     if r < 0.08:
         return codec, notice, rng.randbytes(rng.choice([0, 3, 6, 8, 20, 64, 300]))
@@ -265,15 +383,29 @@ def fuzz(n: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     messages = [random_message(rng) for _ in range(2000)]
     frames = [(PLAIN.encode(m), SIGNED.encode(m)) for m in messages]
+    with_layouts = [m for m in messages if type(m) is Hello and m.layout is not None]
+    layouts = (
+        [PLAIN.encode(m) for m in with_layouts],
+        [msgpack.packb(m.layout.to_wire()) for m in with_layouts if m.layout is not None],
+    )
+    STATS.clear()
+    STATS["corpus_hellos_with_layout"] = len(with_layouts)
+    STATS["corpus_layout_regions"] = sum(
+        len(m.layout.regions) for m in with_layouts if m.layout is not None
+    )
+    STATS["corpus_registers_with_skip_tokens"] = sum(
+        type(m) is Register and m.skip_tokens > 0 for m in messages
+    )
     notices = [
         (PLAIN.encode_notice(c), SIGNED.encode_notice(c))
         for c in (random_notice(rng) for _ in range(500))
     ]
     ok = rejected = other = invalid = 0
     rejected_by: Counter[str] = Counter()
+    rejected_field: Counter[str] = Counter()  # for the new fields only
     start = time.perf_counter()
     for _ in range(n):
-        codec, notice, data = make_input(rng, frames, notices)
+        codec, notice, data = make_input(rng, frames, notices, layouts)
         try:
             if notice:
                 c = codec.decode_notice(data)
@@ -287,6 +419,9 @@ def fuzz(n: int, seed: int) -> dict[str, Any]:
         except RemoteProtocolError as exc:
             rejected += 1
             rejected_by[type(exc).__name__] += 1
+            field = str(exc).partition(":")[0]
+            if field in ("Hello.layout", "Register.skip_tokens"):
+                rejected_field[field] += 1
         except Exception:  # what must never happen
             other += 1
             if other <= 5:
@@ -303,6 +438,8 @@ def fuzz(n: int, seed: int) -> dict[str, Any]:
         "other_exceptions": other,
         "invalid_decoded": invalid,
         "rejected_by": dict(rejected_by),
+        "rejected_for_new_fields": dict(rejected_field),
+        **STATS,
         "seconds": round(seconds_taken, 2),
         "inputs_per_second": round(n / seconds_taken) if seconds_taken else None,
         "seed": seed,
@@ -332,6 +469,16 @@ def speed() -> dict[str, Any]:
         out[f"notice_{name}bytes"] = len(nb)
         out[f"notice_{name}encode_us"] = per_call_us(lambda c=codec: c.encode_notice(notice))
         out[f"notice_{name}decode_us"] = per_call_us(lambda c=codec, b=nb: c.decode_notice(b))
+    # A 32-layer model, K and V split: 64 regions.
+    bases = [i << 32 for i in range(32)]
+    layout = KVLayout(
+        layer_regions(bases, num_blocks=4096, tokens_per_block=16, num_heads=8, head_bytes=256)
+    )
+    hello = Hello("prefill-0", 1, Role.PRODUCER, 1, 1, 8, False, 1, 30.0, layout=layout)
+    data = PLAIN.encode(hello)
+    out["hello_layout64_bytes"] = len(data)
+    out["hello_layout64_encode_us"] = per_call_us(lambda: PLAIN.encode(hello), 500)
+    out["hello_layout64_decode_us"] = per_call_us(lambda: PLAIN.decode(data), 500)
     return out
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import hmac
 import math
+import re
 import tracemalloc
 import typing
 from typing import Any
@@ -16,19 +17,25 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpush import protocol as protocol_module
 from kvpush.protocol import (
+    MAX_REGIONS,
     PROTOCOL_VERSION,
     Abort,
     Announce,
     Completion,
     ConfigError,
     ControlMessage,
+    HeadOrder,
     Heartbeat,
     Hello,
     HelloReject,
+    KVLayout,
     LocalProtocolError,
+    MemoryType,
     Mode,
     ReadDone,
+    Region,
     Register,
     Rejected,
     RejectReason,
@@ -38,8 +45,10 @@ from kvpush.protocol import (
     Source,
     Withdraw,
     WriteFailed,
+    layer_regions,
 )
 from kvpush.protocol import _codec as codec_module
+from kvpush.protocol import _errors as errors_module
 from kvpush.protocol._codec import (
     MAX_NOTICE_BYTES,
     WIRE_VERSION,
@@ -55,6 +64,8 @@ PLAIN = Codec()
 SIGNED = Codec(secret=SECRET)
 CODECS = [PLAIN, SIGNED]
 MESSAGE_TYPES = typing.get_args(ControlMessage)
+CLASS_OF = {code: cls for cls, code in TYPE_CODES.items()}
+SCHEMAS = schemas(CodecLimits())
 
 # --- strategies for valid messages --------------------------------------------
 
@@ -76,9 +87,93 @@ block_ids = st.lists(
 ).map(tuple)
 fingerprints = st.dictionaries(names, names, max_size=6).map(lambda d: tuple(d.items()))
 modes = st.lists(st.sampled_from(Mode), min_size=1, unique=True).map(tuple)
+skip_tokens = st.integers(0, (1 << 63) - 1)
+region_kinds = st.text(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-", min_size=1, max_size=32
+)
+# Strategies for layouts, built once: drawing from a prebuilt strategy is much
+# cheaper than building one per draw.
+_layer_starts = st.integers(0, 1000) | st.just((1 << 20) - 9)  # Region.layer <= 2**20
+_num_blocks = st.integers(1, 1 << 12)
+_tokens = st.sampled_from([1, 16, 64]) | st.integers(1, 1 << 16)
+_heads = st.integers(1, 16)
+_head_bytes = st.sampled_from([2, 128, 256, 1152]) | st.integers(1, 1 << 10)
+_head_starts = st.integers(0, (1 << 16) - 1)
+_devices = st.integers(0, 7) | st.just((1 << 31) - 1)
+_layer_bases = st.lists(st.integers(0, 1 << 48), min_size=1, max_size=3)
+_packings: st.SearchStrategy[typing.Literal["split", "interleaved", "mla"]] = st.sampled_from(
+    ["split", "interleaved", "mla"]
+)
+_kind_sets = st.lists(region_kinds, min_size=1, max_size=3, unique=True)
+_paddings = st.sampled_from([0, 0, 64, -1])  # -1: stride twice the block length
+_bases = st.integers(0, 1 << 48) | st.just(-1)  # -1: end exactly at 2**63
 
-messages: st.SearchStrategy[ControlMessage] = st.one_of(
-    st.builds(
+
+@st.composite
+def layouts(draw: st.DrawFn) -> KVLayout:
+    """A valid KVLayout: 1-3 KV groups, each either vLLM-style per-layer tensors
+    (``layer_regions``: split, interleaved or MLA packing) or hand-built regions
+    (any kind name, padded strides, a base up to the 2**63 ceiling); both head
+    orders, DRAM and VRAM; the regions in any order."""
+    regions: list[Region] = []
+    layer = draw(_layer_starts)
+    for group in range(draw(st.sampled_from([1, 1, 2, 3]))):
+        num_blocks, tokens = draw(_num_blocks), draw(_tokens)
+        heads, head_bytes = draw(_heads), draw(_head_bytes)
+        order, memory = draw(st.sampled_from(HeadOrder)), draw(st.sampled_from(MemoryType))
+        device = draw(_devices)
+        if draw(st.booleans()):
+            bases = draw(_layer_bases)
+            regions += layer_regions(
+                bases,
+                num_blocks=num_blocks,
+                tokens_per_block=tokens,
+                num_heads=heads,
+                head_bytes=head_bytes,
+                head_start=draw(_head_starts) // 1024,
+                packing=draw(_packings),
+                order=order,
+                memory=memory,
+                device=device,
+                group=group,
+                first_layer=layer,
+            )
+            layer += len(bases)
+            continue
+        block_len = tokens * heads * head_bytes
+        for kind in draw(_kind_sets):
+            pad = draw(_paddings)
+            stride = block_len + (block_len if pad < 0 else pad)
+            base = draw(_bases)
+            if base < 0:
+                base = (1 << 63) - (num_blocks - 1) * stride - block_len
+            regions.append(
+                Region(
+                    layer=layer,
+                    kind=kind,
+                    base=base,
+                    num_blocks=num_blocks,
+                    block_len=block_len,
+                    block_stride=stride,
+                    tokens_per_block=tokens,
+                    num_heads=heads,
+                    head_bytes=head_bytes,
+                    head_start=draw(_head_starts),
+                    order=order,
+                    memory=memory,
+                    device=device,
+                    group=group,
+                )
+            )
+        layer += 1
+    # Any order (it is local and must survive the round trip): rotate, maybe reverse.
+    turn = draw(st.integers(0, len(regions) - 1))
+    regions = regions[turn:] + regions[:turn]
+    return KVLayout(tuple(regions[::-1] if draw(st.booleans()) else regions))
+
+
+def hellos(layout: st.SearchStrategy[KVLayout | None]) -> st.SearchStrategy[Hello]:
+    return st.builds(
         Hello,
         ids,
         u64s,
@@ -92,9 +187,14 @@ messages: st.SearchStrategy[ControlMessage] = st.one_of(
         fingerprints,
         modes,
         st.integers(0, 0xFFFF),
-    ),
+        layout,
+    )
+
+
+messages: st.SearchStrategy[ControlMessage] = st.one_of(
+    hellos(st.none() | layouts()),
     st.builds(HelloReject, names, details),
-    st.builds(Register, ids, epochs, ids, block_ids, leases, st.sampled_from(Mode)),
+    st.builds(Register, ids, epochs, ids, block_ids, leases, st.sampled_from(Mode), skip_tokens),
     st.builds(Withdraw, ids, epochs),
     st.builds(Abort, ids, epochs),
     st.builds(Settled, ids, epochs),
@@ -164,6 +264,38 @@ def check_decode_notice(codec: Codec, data: bytes) -> None:
 
 REGISTER = Register("req-1", 3, "decode-0", (tuple(range(1000, 1064)),), 5.0)
 NOTICE = Completion("req-1", 3, Source(1, 0), 2)
+#: Two layers of split K/V (four regions), as a TP-1 producer of a small model.
+LAYOUT = KVLayout(
+    layer_regions([0, 1 << 30], num_blocks=4, tokens_per_block=16, num_heads=2, head_bytes=128)
+)
+HELLO = Hello("e", 1, Role.PRODUCER, 1, 1, 8, False, 1, 10.0)
+
+
+def packed(obj: Any) -> bytes:
+    data: bytes = msgpack.packb(obj, use_bin_type=True)
+    return data
+
+
+def layout_doc(**changes: Any) -> dict[str, Any]:
+    """LAYOUT's wire document with top-level ``changes`` (None deletes a key)."""
+    doc = {**LAYOUT.to_wire(), **changes}
+    return {k: v for k, v in doc.items() if v is not None}
+
+
+def region_doc(i: int = 0, **changes: Any) -> dict[str, Any]:
+    """LAYOUT's wire document with region ``i`` changed (None deletes a key)."""
+    doc = LAYOUT.to_wire()
+    item = {**doc["regions"][i], **changes}
+    doc["regions"][i] = {k: v for k, v in item.items() if v is not None}
+    return doc
+
+
+def hello_body(layout: Any) -> list[Any]:
+    """HELLO's wire body with ``layout`` (any msgpack value) as the layout field."""
+    body = body_of(PLAIN, PLAIN.encode(HELLO))
+    body[-1] = layout
+    return list(body)
+
 
 # --- round trips and the format ----------------------------------------------
 
@@ -190,6 +322,49 @@ def test_golden_bytes() -> None:
     """Pins the wire format: a change here breaks mixed-version deployments."""
     assert PLAIN.encode(Heartbeat(5)) == b"KVP\x01\x0b\x00\x91\x05"
     assert PLAIN.encode(Abort("t", 0)) == b"KVP\x01\x05\x00\x92\xa1t\x00"
+    # Register: fixarray of 7; ids as a bin of uint32 LE; lease float64; mode by
+    # value; skip_tokens last (16 a positive fixint; 2**40 a uint64).
+    reg = Register("t", 1, "c", ((7,),), 0.5, Mode.PULL, 16)
+    reg_body = (
+        b"\x97\xa1t\x01\xa1c\x91\xc4\x04\x07\x00\x00\x00\xcb?\xe0" + b"\x00" * 6 + b"\xa4pull"
+    )
+    assert PLAIN.encode(reg) == b"KVP\x01\x03\x00" + reg_body + b"\x10"
+    assert PLAIN.encode(bad(reg, skip_tokens=1 << 40)) == (
+        b"KVP\x01\x03\x00" + reg_body + b"\xcf" + (1 << 40).to_bytes(8, "big")
+    )
+    # Hello: fixarray of 13; no layout is an empty bin (c4 00) at the end.
+    hello_wire = (
+        b"\x9d\xa1e\x01\xa8producer\x01\x01\x08\xc2\x01\xcb@$"
+        + b"\x00" * 6
+        + b"\x90\x92\xa4push\xa4pull\x01"
+    )
+    assert PLAIN.encode(HELLO) == b"KVP\x01\x01\x00" + hello_wire + b"\xc4\x00"
+    # A layout is a bin (here bin8, 167 bytes) holding a msgpack map: version 1
+    # and the regions, each a map of 14 keys in this order, enums by value.
+    one = KVLayout(
+        (
+            Region(
+                layer=0,
+                kind="K",
+                base=0,
+                num_blocks=1,
+                block_len=1,
+                tokens_per_block=1,
+                num_heads=1,
+                head_bytes=1,
+            ),
+        )
+    )
+    doc = (
+        b"\x82\xa7version\x01\xa7regions\x91\x8e\xa5layer\x00\xa4kind\xa1K\xa4base\x00"
+        b"\xaanum_blocks\x01\xa9block_len\x01\xacblock_stride\x01\xb0tokens_per_block\x01"
+        b"\xa9num_heads\x01\xaahead_start\x00\xaahead_bytes\x01\xa5order\xa3NHD"
+        b"\xa6memory\xa4VRAM\xa6device\x00\xa5group\x00"
+    )
+    assert len(doc) == 167
+    assert PLAIN.encode(bad(HELLO, layout=one)) == (
+        b"KVP\x01\x01\x00" + hello_wire + b"\xc4\xa7" + doc
+    )
     assert PLAIN.encode_notice(Completion("t", 1, Source(2, 3), 4)) == (
         b"KVN\x01\x00" + (1).to_bytes(8, "little") + b"\x02\x00\x03\x00\x04\x00t"
     )
@@ -199,8 +374,26 @@ def test_golden_bytes() -> None:
 
 
 def test_typical_sizes() -> None:
-    assert len(PLAIN.encode(REGISTER)) == 297
-    assert len(SIGNED.encode(REGISTER)) == 297 + 32
+    # Register with 64 ids: header 6 + fixarray 1 + "req-1" 6 + epoch 1 +
+    # "decode-0" 9 + blocks (fixarray 1 + bin16 header 3 + 256) + lease float64 9
+    # + "push" 5 + skip_tokens 0 as a fixint 1 = 298 (297 before skip_tokens).
+    assert len(PLAIN.encode(REGISTER)) == 298
+    assert len(SIGNED.encode(REGISTER)) == 298 + 32
+    # A skip_tokens past 127 costs what msgpack's int needs: 3, 5 or 9 bytes.
+    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=4096))) == 298 + 2
+    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=(1 << 63) - 1))) == 298 + 8
+    # Hello without a layout: header 6 + fixarray 1 + "e" 2 + instance 1 +
+    # "producer" 9 + tp, pp, heads, mla, kv_groups 5 + op_bound 9 + [] 1 +
+    # ["push", "pull"] 11 + version 1 + empty bin 2 = 48.
+    assert len(PLAIN.encode(HELLO)) == 48
+    # With LAYOUT the empty bin becomes a bin16 (3-byte header) + the document:
+    # 19 bytes (fixmap, "version" 1, "regions", fixarray) + 4 regions of 153
+    # bytes (the 148 of the one-region document in test_golden_bytes, + 2 + 2
+    # for block_len and block_stride 4096 as uint16, + 1 for head_bytes 128 as
+    # uint8) + 10 for the bases (16384 a uint16; 2**30, 2**30 + 16384 uint32s).
+    doc = packed(LAYOUT.to_wire())
+    assert len(doc) == 19 + 4 * 153 + 10 == 641
+    assert len(PLAIN.encode(bad(HELLO, layout=LAYOUT))) == 48 - 2 + 3 + 641
     assert len(PLAIN.encode_notice(NOTICE)) == 19 + 5
     assert len(SIGNED.encode_notice(NOTICE)) == 19 + 5 + 16
 
@@ -218,6 +411,14 @@ def test_module_exports() -> None:
         assert hasattr(codec_module, name)
     assert issubclass(UnsupportedVersionError, RemoteProtocolError)
     assert issubclass(AuthenticationError, RemoteProtocolError)
+    # Defined in _errors; the package and _codec re-export the same classes.
+    for name in ("UnsupportedVersionError", "AuthenticationError"):
+        cls = getattr(errors_module, name)
+        assert getattr(protocol_module, name) is cls
+        assert getattr(codec_module, name) is cls
+    err = UnsupportedVersionError(7, WIRE_VERSION)
+    assert err.version == 7
+    assert str(err) == f"unsupported wire version 7 (this side speaks {WIRE_VERSION})"
 
 
 def test_core_hello_round_trips() -> None:
@@ -226,16 +427,96 @@ def test_core_hello_round_trips() -> None:
     assert decoded == hello
     assert isinstance(decoded, Hello)
     assert decoded.version == PROTOCOL_VERSION
+    assert decoded.layout is None
     assert type(decoded.op_bound) is float
 
 
+def test_layouts_round_trip() -> None:
+    for layout in (
+        LAYOUT,
+        KVLayout(
+            layer_regions(
+                [4096],
+                num_blocks=9,
+                tokens_per_block=64,
+                num_heads=1,
+                head_bytes=1152,
+                packing="mla",
+                memory=MemoryType.DRAM,
+            )
+        ),
+        KVLayout(
+            layer_regions(
+                [0, 1 << 40],
+                num_blocks=2,
+                tokens_per_block=16,
+                num_heads=4,
+                head_bytes=256,
+                packing="interleaved",
+                order=HeadOrder.HND,
+                device=3,
+            )
+        ),
+    ):
+        hello = bad(HELLO, layout=layout)
+        for codec in CODECS:
+            decoded = codec.decode(codec.encode(hello))
+            assert decoded == hello
+            assert isinstance(decoded, Hello)
+            assert decoded.layout == layout
+            assert decoded.layout.regions == layout.regions  # same order too
+    # The bin holds exactly the layout's to_wire() document.
+    assert body_of(PLAIN, PLAIN.encode(bad(HELLO, layout=LAYOUT)))[-1] == packed(LAYOUT.to_wire())
+    assert body_of(PLAIN, PLAIN.encode(HELLO))[-1] == b""
+
+
+def test_skip_tokens_round_trip() -> None:
+    for skip in (0, 16, 4096, (1 << 63) - 1):
+        reg = bad(REGISTER, skip_tokens=skip)
+        assert SIGNED.decode(SIGNED.encode(reg)) == reg
+        assert body_of(PLAIN, PLAIN.encode(reg))[-1] == skip
+    assert PLAIN.decode(PLAIN.encode(REGISTER)).skip_tokens == 0  # type: ignore[union-attr]
+
+
+def largest_layout(max_bytes: int) -> KVLayout:
+    """A layout of the widest regions with the most of them that fits ``max_bytes``."""
+    widest = Region(
+        layer=1 << 20,
+        kind="k" * 32,
+        base=1 << 62,
+        num_blocks=1 << 31,
+        block_len=1 << 20,
+        tokens_per_block=1 << 16,
+        num_heads=1,
+        head_bytes=16,
+        head_start=(1 << 16) - 1,
+        block_stride=1 << 30,
+        order=HeadOrder.HND,
+        memory=MemoryType.DRAM,
+        device=(1 << 31) - 1,
+    )
+    each = len(packed(widest.to_wire()))  # every region below packs to this size
+    n = min(MAX_REGIONS, max_bytes // each)
+    regions = [dataclasses.replace(widest, layer=(1 << 20) - i) for i in range(n)]
+    while len(packed(KVLayout(tuple(regions)).to_wire())) > max_bytes:
+        regions.pop()
+    layout = KVLayout(tuple(regions))
+    assert max_bytes - each < len(packed(layout.to_wire())) <= max_bytes
+    return layout
+
+
 def test_largest_messages_fit_the_frame_bound() -> None:
-    lim = CodecLimits(max_block_ids=1000, max_kv_groups=8, max_fingerprint_entries=5)
+    lim = CodecLimits(
+        max_block_ids=1000,
+        max_kv_groups=8,
+        max_fingerprint_entries=5,
+        max_layout_bytes=100_000,  # over 65535: the layout needs a bin32 header
+    )
     plain, signed = Codec(limits=lim), Codec(limits=lim, secret=SECRET)
     wide = "\U0010ffff" * 64  # 256 UTF-8 bytes
     groups = tuple(tuple(range(g * 125, g * 125 + 125)) for g in range(8))
     biggest: list[ControlMessage] = [
-        Register(wide, (1 << 63) - 1, wide, groups, 1e300, Mode.PULL),
+        Register(wide, (1 << 63) - 1, wide, groups, 1e300, Mode.PULL, (1 << 63) - 1),
         Announce(wide, (1 << 63) - 1, groups, 1e300),
         Hello(
             wide,
@@ -250,6 +531,7 @@ def test_largest_messages_fit_the_frame_bound() -> None:
             tuple((wide[:-i] + "k", wide) for i in range(1, 6)),
             (Mode.PULL, Mode.PUSH),
             0xFFFF,
+            largest_layout(lim.max_layout_bytes),
         ),
         HelloReject(wide, "\U0010ffff" * 1024),
         WriteFailed(wide, (1 << 63) - 1, Source(1023, 1023), 1023, "\U0010ffff" * 1024),
@@ -268,6 +550,20 @@ def test_default_limits_take_the_most_block_ids() -> None:
     over = Register("t", 1, "c", (tuple(range(lim.max_block_ids + 1)),), 1.0)
     with pytest.raises(LocalProtocolError, match="blocks"):
         PLAIN.encode(over)
+
+
+def test_default_limits_take_the_largest_layout() -> None:
+    lim = CodecLimits()
+    layout = largest_layout(lim.max_layout_bytes)
+    fp = tuple((f"k{i}", "v" * 256) for i in range(lim.max_fingerprint_entries))
+    hello = bad(HELLO, fingerprint=fp, layout=layout)
+    data = SIGNED.encode(hello)
+    assert len(data) <= lim.largest_frame() <= lim.max_frame_bytes
+    assert SIGNED.decode(data) == hello
+    last = layout.regions[-1]  # one more region of the same size no longer fits
+    more = KVLayout((*layout.regions, dataclasses.replace(last, layer=last.layer - 1)))
+    with pytest.raises(LocalProtocolError, match=r"Hello\.layout: KV layout of \d+ bytes exceeds"):
+        PLAIN.encode(bad(HELLO, layout=more))
 
 
 # --- configuration ------------------------------------------------------------
@@ -311,7 +607,7 @@ def test_repr_hides_the_secret() -> None:
 
 LONG = "x" * 257
 R = REGISTER
-H = Hello("e", 1, Role.PRODUCER, 1, 1, 8, False, 1, 10.0)
+H = HELLO
 
 
 @pytest.mark.parametrize(
@@ -346,6 +642,11 @@ H = Hello("e", 1, Role.PRODUCER, 1, 1, 8, False, 1, 10.0)
         bad(R, blocks=(1, 2)),
         bad(R, blocks="ab"),
         bad(R, mode="push"),
+        bad(R, skip_tokens=-1),
+        bad(R, skip_tokens=1 << 63),
+        bad(R, skip_tokens=True),
+        bad(R, skip_tokens=16.0),
+        bad(R, skip_tokens=None),
         bad(H, op_bound=0.0),
         bad(H, op_bound=math.nan),
         bad(H, op_bound=-math.inf),
@@ -367,6 +668,10 @@ H = Hello("e", 1, Role.PRODUCER, 1, 1, 8, False, 1, 10.0)
         bad(H, fingerprint=(("a", "1", "2"),)),
         bad(H, fingerprint=(("a", 1),)),
         bad(H, fingerprint=tuple((str(i), "") for i in range(65))),
+        bad(H, layout=LAYOUT.regions),
+        bad(H, layout=LAYOUT.to_wire()),
+        bad(H, layout=packed(LAYOUT.to_wire())),
+        bad(H, layout=b""),
         HelloReject("f", "d" * 4097),
         WriteFailed("t", 1, Source(1024, 0), 0),
         WriteFailed("t", 1, Source(0, 0), 1024),
@@ -381,6 +686,36 @@ H = Hello("e", 1, Role.PRODUCER, 1, 1, 8, False, 1, 10.0)
 def test_encode_invalid_raises_local_error(msg: Any) -> None:
     with pytest.raises(LocalProtocolError):
         PLAIN.encode(msg)
+
+
+@pytest.mark.parametrize(
+    ("msg", "field"),
+    [
+        (bad(R, skip_tokens=-1), "Register.skip_tokens"),
+        (bad(R, skip_tokens=True), "Register.skip_tokens"),
+        (bad(R, skip_tokens=0.0), "Register.skip_tokens"),
+        (bad(H, layout=LAYOUT.regions), "Hello.layout"),
+        (bad(H, layout=0), "Hello.layout"),
+    ],
+)
+def test_encode_names_the_new_fields(msg: Any, field: str) -> None:
+    with pytest.raises(LocalProtocolError, match=re.escape(field + ":")):
+        SIGNED.encode(msg)
+
+
+def test_layout_size_limit_is_exact_on_both_sides() -> None:
+    hello = bad(HELLO, layout=LAYOUT)
+    size = len(packed(LAYOUT.to_wire()))
+    fits = Codec(limits=CodecLimits(max_layout_bytes=size))
+    short = Codec(limits=CodecLimits(max_layout_bytes=size - 1))
+    assert fits.decode(fits.encode(hello)) == hello
+    with pytest.raises(LocalProtocolError, match=r"Hello\.layout: KV layout of \d+ bytes exceeds"):
+        short.encode(hello)
+    with pytest.raises(
+        RemoteProtocolError, match=r"Hello\.layout: expected a KV layout of at most"
+    ):
+        short.decode(fits.encode(hello))
+    assert short.decode(short.encode(HELLO)) == HELLO  # no layout: always fits
 
 
 @pytest.mark.parametrize(
@@ -459,10 +794,14 @@ def test_notice_mac() -> None:
 
 def test_oversized_frame() -> None:
     lim = CodecLimits()
-    data = frame(3, ["t", 1, "c", [b"\x00" * 4 * lim.max_block_ids], 1.0, "push"])
+    data = frame(3, ["t", 1, "c", [b"\x00" * 4 * lim.max_block_ids], 1.0, "push", 0])
     data += b"\x00" * (lim.max_frame_bytes - len(data) + 1)
     with pytest.raises(RemoteProtocolError, match="exceeds"):
         PLAIN.decode(data)
+    hello = frame(1, hello_wire(b"\x00" * lim.max_layout_bytes))
+    hello += b"\x00" * (lim.max_frame_bytes - len(hello) + 1)
+    with pytest.raises(RemoteProtocolError, match="exceeds"):
+        PLAIN.decode(hello)
     with pytest.raises(RemoteProtocolError, match="exceeds"):
         PLAIN.decode_notice(b"KVN" + b"\x00" * MAX_NOTICE_BYTES)
 
@@ -561,67 +900,272 @@ def test_bad_magic_or_short_notice(data: bytes) -> None:
         PLAIN.decode_notice(data)
 
 
+# Valid wire bodies, one per message type. Each crafted case below has its
+# type's arity and one invalid field, the one it names: with that field put
+# back to the valid body's value it decodes (checked in the test), so no case
+# can pass by failing on the field count or on some other field.
+VALID_WIRE: dict[type[Any], list[Any]] = {
+    Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b""],
+    HelloReject: ["f", "d"],
+    Register: ["t", 1, "c", [b""], 1.0, "push", 0],
+    Withdraw: ["t", 1],
+    Abort: ["t", 1],
+    Settled: ["t", 1],
+    Rejected: ["t", 1, "released"],
+    WriteFailed: ["t", 1, [0, 0], 0, ""],
+    Announce: ["t", 1, [b""], 1.0],
+    ReadDone: ["t", 1, True],
+    Heartbeat: [1],
+}
+
+
+def hello_wire(layout: Any) -> list[Any]:
+    """The valid Hello body with ``layout`` (any msgpack value) as the layout."""
+    return [*VALID_WIRE[Hello][:-1], layout]
+
+
+DECODE_CASES: list[tuple[int, list[Any], str]] = [
+    (3, ["t", True, "c", [b""], 1.0, "push", 0], "epoch"),  # bool is not an int
+    (3, ["t", -1, "c", [b""], 1.0, "push", 0], "epoch"),
+    (3, ["t", 1 << 63, "c", [b""], 1.0, "push", 0], "epoch"),
+    (3, ["t", 1, "c", [b""], 1, "push", 0], "lease"),  # seconds travel as floats
+    (3, ["t", 1, "c", [b""], math.nan, "push", 0], "lease"),
+    (3, ["t", 1, "c", [b""], math.inf, "push", 0], "lease"),
+    (3, ["t", 1, "c", [b""], -1.0, "push", 0], "lease"),
+    (3, ["t", 1, "c", [b""], 1.0, "PUSH", 0], "mode"),
+    (3, ["t", 1, "c", [b"\x00\x00\x00"], 1.0, "push", 0], "blocks"),  # not whole uint32s
+    (3, ["t", 1, "c", [b"\x01\x00\x00\x00" * 2], 1.0, "push", 0], "blocks"),  # duplicate id
+    (3, ["t", 1, "c", [], 1.0, "push", 0], "blocks"),
+    (3, ["t", 1, "c", [[1, 2]], 1.0, "push", 0], "blocks"),  # ids as ints, not bin
+    (3, ["t", 1, "c", b"", 1.0, "push", 0], "blocks"),
+    (3, ["", 1, "c", [b""], 1.0, "push", 0], "transfer_id"),
+    (3, ["x" * 257, 1, "c", [b""], 1.0, "push", 0], "transfer_id"),
+    (3, [b"t", 1, "c", [b""], 1.0, "push", 0], "transfer_id"),
+    (3, ["t", 1, "", [b""], 1.0, "push", 0], "consumer"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", -1], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", -(1 << 63)], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 1 << 63], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", (1 << 64) - 1], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", True], "skip_tokens"),  # bool is not an int
+    (3, ["t", 1, "c", [b""], 1.0, "push", False], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0.0], "skip_tokens"),  # nor is a float
+    (3, ["t", 1, "c", [b""], 1.0, "push", 16.0], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", None], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", "0"], "skip_tokens"),
+    (1, ["e", 1, "producer", 1, 1, 8, False, 1, 0.0, [], ["push"], 1, b""], "op_bound"),
+    (1, ["e", 1, "producer", 0, 1, 8, False, 1, 1.0, [], ["push"], 1, b""], "tp"),
+    (1, ["e", 1, "producer", 1, 1, 8, 0, 1, 1.0, [], ["push"], 1, b""], "mla"),  # int
+    (
+        1,
+        ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [["a", "b", "c"]], ["push"], 1, b""],
+        "fingerprint",
+    ),
+    (
+        1,
+        ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [["a", "b"], ["a", "c"]], ["push"], 1, b""],
+        "fingerprint",
+    ),
+    (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], [], 1, b""], "modes"),
+    (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push", "push"], 1, b""], "modes"),
+    (1, ["e", 1, "decoder", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b""], "role"),
+    (1, ["e", -1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b""], "instance"),
+    (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1 << 16, b""], "version"),
+    # The layout field: not a bin, or a bin that is not one msgpack document.
+    (1, hello_wire(None), "layout"),
+    (1, hello_wire(""), "layout"),  # a str, not a bin
+    (1, hello_wire(0), "layout"),
+    (1, hello_wire([]), "layout"),
+    (1, hello_wire(b"\xc1"), "layout"),  # never-used msgpack byte
+    (1, hello_wire(b"\x82\xa7version\x01"), "layout"),  # truncated map
+    (1, hello_wire(packed(LAYOUT.to_wire())[:-1]), "layout"),  # truncated
+    (1, hello_wire(packed(LAYOUT.to_wire()) + b"\x00"), "layout"),  # trailing data
+    (1, hello_wire(packed(LAYOUT.to_wire()) * 2), "layout"),  # two documents
+    # ... (documents beyond the inner unpacker's limits: test_layout_document_limits)
+    # ... or a document KVLayout.from_wire refuses.
+    (1, hello_wire(packed(1)), "layout"),
+    (1, hello_wire(packed([LAYOUT.to_wire()])), "layout"),
+    (1, hello_wire(packed({})), "layout"),
+    (1, hello_wire(packed(layout_doc(version=2))), "layout"),
+    (1, hello_wire(packed(layout_doc(version=True))), "layout"),
+    (1, hello_wire(packed(layout_doc(version=None))), "layout"),  # missing key
+    (1, hello_wire(packed(layout_doc(extra=1))), "layout"),  # unknown key
+    (1, hello_wire(packed(layout_doc(regions=[]))), "layout"),
+    (1, hello_wire(packed(layout_doc(regions={}))), "layout"),
+    (1, hello_wire(packed(layout_doc(regions=[0]))), "layout"),
+    (1, hello_wire(packed(region_doc(base=None))), "layout"),  # missing key
+    (1, hello_wire(packed(region_doc(extra=0))), "layout"),  # unknown key
+    (1, hello_wire(packed(region_doc(layer=True))), "layout"),
+    (1, hello_wire(packed(region_doc(layer=-1))), "layout"),
+    (1, hello_wire(packed(region_doc(base=1.0))), "layout"),
+    (1, hello_wire(packed(region_doc(base=1 << 63))), "layout"),
+    (1, hello_wire(packed(region_doc(base=(1 << 63) - 1))), "layout"),  # ends past 2**63
+    (1, hello_wire(packed(region_doc(block_len=4095))), "layout"),  # != tokens*heads*bytes
+    (1, hello_wire(packed(region_doc(block_stride=4095))), "layout"),  # < block_len
+    (1, hello_wire(packed(region_doc(kind="K V"))), "layout"),
+    (1, hello_wire(packed(region_doc(kind=7))), "layout"),
+    (1, hello_wire(packed(region_doc(order="nhd"))), "layout"),
+    (1, hello_wire(packed(region_doc(memory="HBM"))), "layout"),
+    (1, hello_wire(packed(region_doc(group=2))), "layout"),  # groups 0, 2: not 0..n-1
+    (1, hello_wire(packed(region_doc(num_blocks=5))), "layout"),  # differs within group 0
+    (1, hello_wire(packed(region_doc(1, kind="K"))), "layout"),  # duplicate layer0.K
+    (8, ["t", 1, [0, -1], 0, ""], "source"),  # negative rank
+    (8, ["t", 1, [1024, 0], 0, ""], "source"),
+    (8, ["t", 1, [0], 0, ""], "source"),
+    (8, ["t", 1, [0, 0], 1024, ""], "consumer_rank"),
+    (8, ["t", 1, [0, 0], 0, 1], "detail"),
+    (10, ["t", 1, 1], "ok"),
+    (11, [-1], "seq"),
+    (11, [-(1 << 63)], "seq"),
+    (7, ["t", 1, "no_such_reason"], "reason"),
+]
+
+
 @pytest.mark.parametrize(
-    ("code", "fields"),
+    ("doc", "reason"),
     [
-        (3, ["t", True, "c", [b""], 1.0, "push"]),  # bool is not an int
-        (3, ["t", -1, "c", [b""], 1.0, "push"]),
-        (3, ["t", 1 << 63, "c", [b""], 1.0, "push"]),
-        (3, ["t", 1, "c", [b""], 1, "push"]),  # seconds travel as floats
-        (3, ["t", 1, "c", [b""], math.nan, "push"]),
-        (3, ["t", 1, "c", [b""], math.inf, "push"]),
-        (3, ["t", 1, "c", [b""], -1.0, "push"]),
-        (3, ["t", 1, "c", [b""], 1.0, "PUSH"]),
-        (3, ["t", 1, "c", [b"\x00\x00\x00"], 1.0, "push"]),  # not whole uint32s
-        (3, ["t", 1, "c", [b"\x01\x00\x00\x00" * 2], 1.0, "push"]),  # duplicate id
-        (3, ["t", 1, "c", [], 1.0, "push"]),
-        (3, ["t", 1, "c", [[1, 2]], 1.0, "push"]),  # ids as ints, not bin
-        (3, ["t", 1, "c", b"", 1.0, "push"]),
-        (3, ["", 1, "c", [b""], 1.0, "push"]),
-        (3, ["x" * 257, 1, "c", [b""], 1.0, "push"]),
-        (3, [b"t", 1, "c", [b""], 1.0, "push"]),
-        (3, ["t", 1, "c", [b""], 1.0]),  # a field short
-        (3, ["t", 1, "c", [b""], 1.0, "push", 0]),  # a field long
-        (3, {"t": 1}),
-        (3, "t"),
-        (1, ["e", 1, "producer", 1, 1, 8, False, 1, 0.0, [], ["push"], 1]),  # op_bound 0
-        (1, ["e", 1, "producer", 0, 1, 8, False, 1, 1.0, [], ["push"], 1]),
-        (1, ["e", 1, "producer", 1, 1, 8, 0, 1, 1.0, [], ["push"], 1]),  # mla int
-        (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [["a", "b", "c"]], ["push"], 1]),
-        (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [["a", "b"], ["a", "c"]], ["push"], 1]),
-        (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], [], 1]),
-        (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push", "push"], 1]),
-        (1, ["e", 1, "decoder", 1, 1, 8, False, 1, 1.0, [], ["push"], 1]),
-        (1, ["e", -1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1]),
-        (8, ["t", 1, [0, -1], 0, ""]),  # negative rank
-        (8, ["t", 1, [1024, 0], 0, ""]),
-        (8, ["t", 1, [0], 0, ""]),
-        (8, ["t", 1, [0, 0], 0, "x" * 4097]),
-        (10, ["t", 1, 1]),
-        (11, [-1]),
-        (11, [-(1 << 63)]),
-        (7, ["t", 1, "no_such_reason"]),
+        (packed(region_doc(kind="k" * 65)), "malformed"),  # str over 64 bytes
+        (packed(region_doc(kind=b"K")), "malformed"),  # a bin inside
+        (packed(region_doc(kind=msgpack.ExtType(1, b"K"))), "malformed"),
+        (packed({str(i): i for i in range(33)}), "malformed"),  # a map of 33
+        (packed({1: 1}), "malformed"),  # a non-str map key
+        (b"\xdd\xff\xff\xff\xff", "malformed"),  # array32 claiming 4G entries
+        (b"\xdf\xff\xff\xff\xff", "malformed"),  # map32 claiming 4G entries
+        (b"\xdc\x20\x01" + b"\x00" * 8193, "malformed"),  # an array of 8193
+        (packed(region_doc(layer=[1])), "too many arrays"),  # a valid layout has one
+        (b"\xdc\x20\x00" + b"\x90" * 8192, "too many arrays"),  # 8193 arrays
+        (b"\x91" * 5000 + b"\x80", "malformed"),  # deeper than msgpack's stack
+        # 2 * 4097 + 1 maps; a valid layout has at most MAX_REGIONS + 1.
+        (packed({"version": 1, "regions": [{"a": {}}] * (MAX_REGIONS // 2 + 1)}), "too many maps"),
+        (b"\x81\xa1a" * 5000 + b"\x80", "malformed|too many maps"),  # deep maps
     ],
 )
-def test_decode_validates_fields(code: int, fields: Any) -> None:
-    with pytest.raises(RemoteProtocolError):
+def test_layout_document_limits(doc: bytes, reason: str) -> None:
+    fields = hello_wire(doc)
+    assert len(fields) == len(SCHEMAS[Hello])
+    with pytest.raises(RemoteProtocolError, match=f"^Hello\\.layout: .*({reason})"):
+        PLAIN.decode(frame(1, fields))
+
+
+def test_a_layout_of_max_regions_round_trips_given_room() -> None:
+    """The inner limits (one array, MAX_REGIONS + 1 maps, MAX_REGIONS entries)
+    admit the largest valid layout (about 1.2 MB here, over the default
+    max_layout_bytes of 1 MiB, hence the roomier limits)."""
+    regions = layer_regions(
+        range(MAX_REGIONS // 2), num_blocks=1, tokens_per_block=1, num_heads=1, head_bytes=1
+    )
+    layout = KVLayout(regions)
+    assert len(layout.regions) == MAX_REGIONS
+    size = len(packed(layout.to_wire()))
+    roomy = Codec(limits=CodecLimits(max_layout_bytes=size, max_frame_bytes=2 * size))
+    hello = bad(HELLO, layout=layout)
+    assert roomy.decode(roomy.encode(hello)) == hello
+
+
+@pytest.mark.parametrize(("code", "fields", "field"), DECODE_CASES)
+def test_decode_validates_fields(code: int, fields: list[Any], field: str) -> None:
+    cls = CLASS_OF[code]
+    names = [name for name, _ in SCHEMAS[cls]]
+    # The body has the right arity, so decoding gets to the fields at all ...
+    assert len(fields) == len(names) == len(VALID_WIRE[cls])
+    # ... and with only the named field made valid again, it decodes: so the
+    # case fails for that field and no other.
+    at = names.index(field)
+    assert PLAIN.decode(frame(code, [*fields[:at], VALID_WIRE[cls][at], *fields[at + 1 :]]))
+    expect = re.escape(f"{cls.__name__}.{field}:")
+    with pytest.raises(RemoteProtocolError, match=expect):
         PLAIN.decode(frame(code, fields))
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError, match=expect):
         SIGNED.decode(sign(frame(code, fields)))
+
+
+def test_valid_wire_bodies_decode() -> None:
+    assert set(VALID_WIRE) == set(MESSAGE_TYPES)
+    for cls, fields in VALID_WIRE.items():
+        assert len(fields) == len(SCHEMAS[cls])
+        msg = PLAIN.decode(frame(TYPE_CODES[cls], fields))
+        assert type(msg) is cls
+        assert body_of(PLAIN, PLAIN.encode(msg)) == fields
+    assert PLAIN.decode(frame(1, hello_wire(packed(LAYOUT.to_wire())))) == bad(
+        HELLO, op_bound=1.0, kv_groups=1, modes=(Mode.PUSH,), layout=LAYOUT
+    )
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.__name__)
+def test_decode_checks_the_field_count(cls: type[Any]) -> None:
+    n = len(SCHEMAS[cls])
+    valid = VALID_WIRE[cls]
+    for fields in (valid[:-1], [*valid, 0], [*valid, b""], []):
+        with pytest.raises(RemoteProtocolError, match=f"expected {n} fields"):
+            PLAIN.decode(frame(TYPE_CODES[cls], fields))
+    for body in ({"t": 1}, "t", 1, None):
+        with pytest.raises(RemoteProtocolError, match=r"malformed|fields"):
+            PLAIN.decode(frame(TYPE_CODES[cls], body))
+
+
+def test_bodies_of_the_format_before_layout_and_skip_tokens_are_refused() -> None:
+    # A peer that predates Hello.layout / Register.skip_tokens sends 12 and 6
+    # fields: refused for the count, never misread.
+    old_hello = ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1]
+    old_register = ["t", 1, "c", [b""], 1.0, "push"]
+    with pytest.raises(RemoteProtocolError, match="Hello: expected 13 fields"):
+        PLAIN.decode(frame(1, old_hello))
+    with pytest.raises(RemoteProtocolError, match="Register: expected 7 fields"):
+        PLAIN.decode(frame(3, old_register))
 
 
 def test_decode_respects_configured_limits() -> None:
     lim = CodecLimits(max_block_ids=4, max_kv_groups=2, max_ranks=4, max_id_len=8)
     small = Codec(limits=lim)
     assert small.decode(frame(4, ["12345678", 1])) == Withdraw("12345678", 1)
-    for code, fields in [
-        (4, ["123456789", 1]),
-        (3, ["t", 1, "c", [b"\x00" * 20], 1.0, "push"]),
-        (3, ["t", 1, "c", [b"\x00\x00\x00\x00", b"\x01\x00\x00\x00", b""], 1.0, "push"]),
-        (8, ["t", 1, [4, 0], 0, ""]),
+    for code, fields, field in [
+        (4, ["123456789", 1], "Withdraw.transfer_id"),
+        (3, ["t", 1, "c", [bytes(range(20))], 1.0, "push", 0], "Register.blocks"),  # 5 ids
+        (
+            3,
+            ["t", 1, "c", [b"\x00\x00\x00\x00", b"\x01\x00\x00\x00", b""], 1.0, "push", 0],
+            "Register.blocks",
+        ),
+        (8, ["t", 1, [4, 0], 0, ""], "WriteFailed.source"),
     ]:
-        with pytest.raises(RemoteProtocolError):
+        assert len(fields) == len(SCHEMAS[CLASS_OF[code]])
+        assert PLAIN.decode(frame(code, fields))  # only the small limits refuse it
+        with pytest.raises(RemoteProtocolError, match=re.escape(field + ":")):
             small.decode(frame(code, fields))
+
+
+def test_values_over_the_unpacker_limits_are_refused_as_malformed() -> None:
+    # The outer unpacker's str and bin limits equal the largest valid field, so
+    # one byte more is refused before the fields are looked at.
+    lim = CodecLimits()
+    for code, fields in [
+        (8, ["t", 1, [0, 0], 0, "x" * (lim.max_detail_len + 1)]),
+        (3, ["t", 1, "c", [bytes(4 * lim.max_block_ids + 4)], 1.0, "push", 0]),
+        (1, hello_wire(bytes(lim.max_layout_bytes + 1))),
+    ]:
+        assert len(fields) == len(SCHEMAS[CLASS_OF[code]])
+        with pytest.raises(RemoteProtocolError, match="malformed body"):
+            PLAIN.decode(frame(code, fields))
+
+
+def test_layout_bombs_allocate_little() -> None:
+    """A 1 MiB layout of nested empty arrays would build ~1M lists (~64 MiB);
+    one of maps builds at most MAX_REGIONS + 1 dicts before it is refused."""
+    inner = b"\xdc\x20\x00" + b"\x90" * 8192  # an array of 8192 empty arrays
+    n = (1 << 20) // len(inner) - 1
+    arrays = b"\xdc" + n.to_bytes(2, "big") + inner * n
+    entry = b"\xde\x00\x20" + b"".join(b"\xa3" + b"k%02d" % i + b"\xc0" for i in range(32))
+    n = (1 << 20) // len(entry) - 1
+    maps = b"\xdc" + n.to_bytes(2, "big") + entry * n
+    for doc, error in ((arrays, "too many arrays"), (maps, "too many maps|must be a dict")):
+        data = frame(1, hello_wire(doc))
+        tracemalloc.start()
+        try:
+            with pytest.raises(RemoteProtocolError, match=f"Hello.layout: .*({error})"):
+                PLAIN.decode(data)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 * len(data)
 
 
 @pytest.mark.parametrize(
@@ -718,6 +1262,35 @@ def test_type_swapped_fields_decode_or_raise_remote_error(msg: ControlMessage, d
     swapped = PLAIN.encode(msg)[:6] + msgpack.packb(body, use_bin_type=True)
     check_decode(PLAIN, swapped)
     check_decode(SIGNED, sign(swapped))
+
+
+@given(layout=layouts(), data=st.data())
+def test_mutated_layouts_decode_or_raise_remote_error(layout: KVLayout, data: Any) -> None:
+    """Edits inside the layout document, re-wrapped in a well-formed bin, so
+    they reach the inner unpacker and KVLayout.from_wire (edits of the whole
+    frame mostly break the outer framing first)."""
+    msg = bad(HELLO, layout=layout)
+    body = body_of(PLAIN, PLAIN.encode(msg))
+    doc = msgpack.unpackb(body[-1])
+    how = data.draw(st.sampled_from(["bytes", "region value", "region key", "top level"]))
+    if how == "bytes":
+        body[-1] = data.draw(mutations(body[-1]))
+    else:
+        if how == "top level":
+            target = doc
+        else:
+            target = doc["regions"][data.draw(st.integers(0, len(doc["regions"]) - 1))]
+        key = data.draw(st.sampled_from(sorted(target)))
+        if how == "region key" and data.draw(st.booleans()):
+            del target[key]
+        elif how == "region key":
+            target[data.draw(st.text(max_size=16))] = data.draw(wire_values)
+        else:
+            target[key] = data.draw(wire_values)
+        body[-1] = packed(doc)
+    edited = PLAIN.encode(msg)[:6] + packed(body)
+    check_decode(PLAIN, edited)
+    check_decode(SIGNED, sign(edited))
 
 
 @given(notice=completions, data=st.data())

@@ -29,6 +29,7 @@ from kvpush.protocol import (
     ReleaseOutcome,
     Reserved,
     Send,
+    Settled,
     Source,
     SourceReleased,
     StartRead,
@@ -289,3 +290,26 @@ def test_read_results_for_unknown_or_settled_reads_are_counted() -> None:
     assert w.c.stats()["read_result_late"] == 1
     assert w.c.stats()["read_unknown"] == 1
     assert w.c.stats()["read_unexpected_source"] == 1
+
+
+def test_push_epoch_preempted_then_pull_epoch_is_lent_not_written() -> None:
+    w = Wire(p_tp=1)
+    e1 = w.reserve(mode=Mode.PUSH)
+    w.deliver()
+    w.p.kv_ready(w.now, "t1", SRC)
+    w.collect()
+    (write,) = w.take(P, StartWrite)
+    w.c.preempt(w.now, "t1")
+    e2 = w.reserve(blocks=((4, 5, 6),), mode=Mode.PULL)
+    w.deliver()  # Withdraw(e1) and Register(e2, pull) wait for the write of e1
+    w.take(P, StartWrite)
+    w.p.write_done(w.now, "t1", e1, write.route.source, write.route.consumer_rank)
+    moved = w.deliver()
+    assert moved == [Settled("t1", e1), Announce("t1", e2, SRC, 30.0)]
+    assert w.take(P, StartWrite) == []  # nothing is written into the pull epoch's blocks
+    assert [r.epoch for r in w.take(D, Released)] == [e1]
+    (read,) = w.take(D, StartRead)
+    w.read(read)
+    assert w.deliver() == [ReadDone("t1", e2, True)]
+    assert [(r.epoch, r.blocks) for r in w.take(D, Ready)] == [(e2, ((4, 5, 6),))]
+    assert [r.outcome for r in w.take(P, SourceReleased)] == [ReleaseOutcome.DELIVERED]

@@ -223,8 +223,14 @@ class Producer(Endpoint):
         rec = self._get(now, message.transfer_id)
         rec.peer = rec.peer or peer
         epoch = message.epoch
+        # An Abort of an epoch older than the newest registration seen ends only
+        # that epoch (the consumer gave up on it, then reserved again): treat it
+        # as a Withdraw, never as the end of the newer epoch it overtook.
+        whole = isinstance(message, Abort) and epoch >= rec.max_epoch
+        if isinstance(message, Abort) and not whole:
+            self._counters["abort_of_older_epoch"] += 1
         rec.max_epoch = max(rec.max_epoch, epoch)
-        if isinstance(message, Abort):
+        if whole:
             if rec.state is not PState.DRAINING or rec.ending is None:
                 rec.ending = ReleaseOutcome.ABORTED
             rec.owe.add(epoch)

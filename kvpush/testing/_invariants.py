@@ -101,7 +101,12 @@ class InvariantChecker:
         elif isinstance(message, Withdraw):
             self.producer_withdrawn.add((message.transfer_id, message.epoch))
         elif isinstance(message, Abort):
-            self.producer_aborted.add(message.transfer_id)
+            # An Abort older than the newest registration ends only its epoch.
+            newest = max((e for t, e in self.leases if t == message.transfer_id), default=0)
+            if message.epoch >= newest:
+                self.producer_aborted.add(message.transfer_id)
+            else:
+                self.producer_withdrawn.add((message.transfer_id, message.epoch))
 
     def notice_delivered(self, notice: Completion) -> None:
         rec = self.res.get((notice.transfer_id, notice.epoch))

@@ -23,6 +23,8 @@ from .strategies import modes, transfer_ids, world_configs
 __all__ = ("FaultFreeMachine", "ProtocolMachine")
 
 _index = st.integers(0, 1 << 16)
+#: Disruptive rules act only when this comes up 0, so runs also get deep.
+_rarely = st.integers(0, 2)
 
 
 class ProtocolMachine(RuleBasedStateMachine):
@@ -45,8 +47,10 @@ class ProtocolMachine(RuleBasedStateMachine):
     def reserve(self, tid: str, mode: Mode) -> None:
         self.world.reserve(tid, mode)
 
-    @rule(tid=transfer_ids())
-    def preempt(self, tid: str) -> None:
+    @rule(tid=transfer_ids(), coin=_rarely)
+    def preempt(self, tid: str, coin: int) -> None:
+        if coin:
+            return
         self.world.preempt(tid)
 
     @rule(tid=transfer_ids())
@@ -54,18 +58,24 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.world.kv_ready(tid)
 
     @precondition(lambda self: self.faults)
-    @rule(tid=transfer_ids())
-    def abort_consumer(self, tid: str) -> None:
+    @rule(tid=transfer_ids(), coin=_rarely)
+    def abort_consumer(self, tid: str, coin: int) -> None:
+        if coin:
+            return
         self.world.abort_consumer(tid)
 
     @precondition(lambda self: self.faults)
-    @rule(tid=transfer_ids())
-    def abort_producer(self, tid: str) -> None:
+    @rule(tid=transfer_ids(), coin=_rarely)
+    def abort_producer(self, tid: str, coin: int) -> None:
+        if coin:
+            return
         self.world.abort_producer(tid)
 
     @precondition(lambda self: self.faults and self.world.producer_alive)
-    @rule(detected=st.booleans())
-    def kill_producer(self, detected: bool) -> None:
+    @rule(detected=st.booleans(), coin=_rarely)
+    def kill_producer(self, detected: bool, coin: int) -> None:
+        if coin:
+            return
         self.world.kill_producer(detected)
 
     # --- the network --------------------------------------------------------------
@@ -76,8 +86,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.world.deliver(i % len(self.world.net.queue))
 
     @precondition(lambda self: self.faults and bool(self.world.net.queue))
-    @rule(i=_index)
-    def drop(self, i: int) -> None:
+    @rule(i=_index, coin=_rarely)
+    def drop(self, i: int, coin: int) -> None:
+        if coin:
+            return
         self.world.net.drop(i % len(self.world.net.queue))
 
     @precondition(lambda self: bool(self.world.net.queue))
@@ -115,15 +127,19 @@ class ProtocolMachine(RuleBasedStateMachine):
             self.world.ack(k)
 
     @precondition(lambda self: self.faults)
-    @rule(i=_index)
-    def fail(self, i: int) -> None:
+    @rule(i=_index, coin=_rarely)
+    def fail(self, i: int, coin: int) -> None:
+        if coin:
+            return
         k = self._pick(i, posted=True, landed=False)
         if k is not None:
             self.world.fail(k)
 
     @precondition(lambda self: self.faults)
-    @rule(i=_index)
-    def hang(self, i: int) -> None:
+    @rule(i=_index, coin=_rarely)
+    def hang(self, i: int, coin: int) -> None:
+        if coin:
+            return
         k = self._pick(i, posted=True, landed=False)
         if k is not None:
             self.world.hang(k)
@@ -135,9 +151,30 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     # --- time -------------------------------------------------------------------------
 
-    @rule(dt=st.sampled_from([0.01, 0.1, 0.5, 1.5, 4.0]))
+    @rule(dt=st.sampled_from([0.001, 0.01, 0.1, 0.5, 2.0]))
     def advance(self, dt: float) -> None:
         self.world.advance(dt if self.faults else min(dt, 0.01))
+
+    @rule(picks=st.lists(_index, min_size=1, max_size=12))
+    def progress(self, picks: list[int]) -> None:
+        """Several forward moves in a row (deliver, post, land, acknowledge,
+        poll a notice), each chosen among all that are possible, so that runs
+        get deep without one rule call per move."""
+        w = self.world
+        for i in picks:
+            moves: list[tuple[str, int]] = [("deliver", k) for k in range(len(w.net.queue))]
+            moves += [("notify", k) for k in range(len(w.notices))]
+            for k, op in enumerate(w.ops):
+                if op.posted_at is None:
+                    moves.append(("post", k))
+                elif not op.landed:
+                    moves.append(("land", k))
+                else:
+                    moves.append(("ack", k))
+            if not moves:
+                return
+            name, k = moves[i % len(moves)]
+            getattr(w, name)(k)
 
     # --- checks -------------------------------------------------------------------------
 
@@ -152,12 +189,12 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         w = self.world
-        if not self.faults:
-            # Every transfer gets its reservation and its KV, then everything runs.
-            for tid in [f"t{i}" for i in range(3)]:
-                if tid not in w.ready and tid not in w.live:
-                    w.reserve(tid)
-                w.kv_ready(tid)
+        # Inputs stop, but first every transfer gets its KV (and, fault-free,
+        # its reservation), so that the end game runs the completion paths too.
+        for tid in [f"t{i}" for i in range(3)]:
+            if not self.faults and tid not in w.ready and tid not in w.live:
+                w.reserve(tid)
+            w.kv_ready(tid)
         w.quiesce()
         if not self.faults:
             everyone = {f"t{i}" for i in range(3)}

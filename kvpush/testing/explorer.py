@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -211,7 +212,8 @@ def explore(
     transfers: int = 2,
     preemptions: int = 1,
     duplicates: int = 1,
-    limit: int = 2_000_000,
+    limit: int = 5_000_000,
+    progress: Callable[[int], None] | None = None,
 ) -> ExploreResult:
     """Walk every interleaving; raise :class:`InvariantViolation` on the first
     broken invariant (with the path in the message)."""
@@ -255,6 +257,8 @@ def explore(
             if key in visited:
                 continue
             visited.add(key)
+            if progress is not None and len(visited) % 50_000 == 0:
+                progress(len(visited))
             if len(visited) > limit:
                 raise RuntimeError(f"more than {limit} states: shrink the configuration")
             stack.append((child, [*path, label]))
@@ -291,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preemptions", type=int, default=1)
     parser.add_argument("--duplicates", type=int, default=1)
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     config = WorldConfig(
         producer_tp=args.producer_tp,
         consumer_tp=args.consumer_tp,
@@ -304,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         transfers=args.transfers,
         preemptions=args.preemptions,
         duplicates=args.duplicates,
+        progress=lambda n: print(f"{n} states...", file=sys.stderr, flush=True),
     )
-    print(json.dumps({**dataclasses.asdict(result), "config": vars(args)}))
+    elapsed = time.perf_counter() - started
+    out = {**dataclasses.asdict(result), "seconds": round(elapsed, 1), "config": vars(args)}
+    print(json.dumps(out))
     return 0
 
 

@@ -43,8 +43,8 @@ def world_configs(*, faults: bool = True) -> st.SearchStrategy[WorldConfig]:
         mla=st.sampled_from([False, False, True]),
         max_transit=st.just(1.0 if faults else slow),
         op_bound=st.just(2.0),
-        ready_timeout=st.sampled_from([3.0, 10.0] if faults else [slow]),
-        kv_hold_timeout=st.sampled_from([2.0, 10.0] if faults else [slow]),
+        ready_timeout=st.sampled_from([5.0, 20.0] if faults else [slow]),
+        kv_hold_timeout=st.sampled_from([3.0, 20.0] if faults else [slow]),
         tombstone_ttl=st.just(5.0 if faults else 2 * slow),
-        max_reserved_blocks=st.sampled_from([None, 4] if faults else [None]),
+        max_reserved_blocks=st.sampled_from([None, None, 4] if faults else [None]),
     )

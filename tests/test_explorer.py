@@ -1,0 +1,45 @@
+"""The exhaustive explorer on CI-sized configurations (the full default one
+runs with `make explore`), and proof that it can fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.protocol import Topology
+from kvpush.testing import InvariantViolation, WorldConfig
+from kvpush.testing.explorer import explore
+
+NO_TIMEOUTS = {
+    "max_transit": 1e6,
+    "ready_timeout": 1e6,
+    "kv_hold_timeout": 1e6,
+    "tombstone_ttl": 2e6,
+}
+
+
+def test_every_interleaving_of_one_transfer_tp2_to_1_with_preemption_and_duplicate() -> None:
+    result = explore(
+        WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS),
+        transfers=1,
+        preemptions=1,
+        duplicates=1,
+    )
+    assert result.states > 5_000
+    assert result.terminal_states >= 2
+
+
+def test_every_interleaving_of_two_transfers() -> None:
+    result = explore(
+        WorldConfig(producer_tp=1, consumer_tp=1, **NO_TIMEOUTS),
+        transfers=2,
+        preemptions=0,
+        duplicates=0,
+    )
+    assert result.states > 400
+
+
+def test_explorer_finds_a_consumer_that_readies_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Break the per-rank completion count: some interleaving must expose it."""
+    monkeypatch.setattr(Topology, "expected_total", property(lambda self: 1))
+    with pytest.raises(InvariantViolation, match="I2"):
+        explore(WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS), transfers=1, preemptions=0)
