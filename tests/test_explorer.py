@@ -42,4 +42,5 @@ def test_explorer_finds_a_consumer_that_readies_early(monkeypatch: pytest.Monkey
     """Break the per-rank completion count: some interleaving must expose it."""
     monkeypatch.setattr(Topology, "expected_total", property(lambda self: 1))
     with pytest.raises(InvariantViolation, match="I2"):
-        explore(WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS), transfers=1, preemptions=0)
+        config = WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS)
+        explore(config, transfers=1, preemptions=0)
