@@ -41,6 +41,6 @@ def test_every_interleaving_of_two_transfers() -> None:
 def test_explorer_finds_a_consumer_that_readies_early(monkeypatch: pytest.MonkeyPatch) -> None:
     """Break the per-rank completion count: some interleaving must expose it."""
     monkeypatch.setattr(Topology, "expected_total", property(lambda self: 1))
+    config = WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS)
     with pytest.raises(InvariantViolation, match="I2"):
-        config = WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS)
         explore(config, transfers=1, preemptions=0)
