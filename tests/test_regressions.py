@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpush.protocol import Abort, Announce, Mode, Register
+from kvpush.protocol import Abort, Announce, Mode, Register, Rejected, Settled
 from kvpush.testing import World, WorldConfig
 
 
@@ -50,3 +50,35 @@ def test_stale_abort_overtaken_by_a_newer_push_epoch_lets_it_complete() -> None:
     assert w.kv_ready("t")
     w.quiesce()
     assert w.ready == {"t"}
+
+
+def test_duplicate_register_after_delivery_does_not_fail_the_transfer() -> None:
+    """The network duplicates a Register; the copy arrives after the producer
+    delivered every write and released, but before the consumer polled the
+    notices. The tombstone must not answer Rejected (it would fail a transfer
+    whose data already landed)."""
+    w = World(WorldConfig(producer_tp=2, consumer_tp=1))
+    assert w.reserve("t")
+    w.net.duplicate(_index(w, Register))
+    w.deliver(_index(w, Register))
+    assert w.kv_ready("t")
+    for k in range(len(w.ops)):
+        w.post(k)
+        w.land(k)
+    while w.ops:
+        w.ack(0)
+    assert w.producer.held_blocks == 0  # released, tombstone kept
+    w.deliver(_index(w, Register))  # the duplicate
+    assert not any(isinstance(m.message, Rejected) for m in w.net.queue)
+    w.quiesce()
+    assert w.ready == {"t"}
+    assert not w.failed
+
+
+def test_abort_reaching_a_tombstone_is_acknowledged() -> None:
+    w = World(WorldConfig(kv_hold_timeout=1.0, tombstone_ttl=50.0, ready_timeout=30.0))
+    assert w.kv_ready("t")
+    w.advance(1.5)  # hold expired: released, tombstone
+    w.producer.receive(w.clock.now, "decode", Abort("t", 3))
+    w.pump()
+    assert any(isinstance(m.message, Settled) and m.message.epoch == 3 for m in w.net.queue)

@@ -263,10 +263,12 @@ class Consumer(Endpoint):
         total = rec.total
         if rec.state is CState.AWAITING:
             last = len(rec.done) == total
-            self._step(now, rec, CInput.COMPLETION_LAST if last else CInput.COMPLETION)
+            inp = CInput.COMPLETION_LAST if last else CInput.COMPLETION
+            self._step(now, rec, inp, remote=True)
         else:
             last = len(rec.settled) == total
-            self._step(now, rec, CInput.PAIRS_SETTLED if last else CInput.COMPLETION)
+            inp = CInput.PAIRS_SETTLED if last else CInput.COMPLETION
+            self._step(now, rec, inp, remote=True)
 
     def read_done(
         self,

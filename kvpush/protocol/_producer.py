@@ -86,6 +86,8 @@ class _Transfer:
     owe: set[int] = field(default_factory=set)
     #: Why we are draining (or lending after a local abort).
     ending: ReleaseOutcome | None = None
+    #: The epoch whose writes were all delivered (kept by the tombstone).
+    delivered_epoch: int = -1
     hold_until: float = 0.0
     op_deadline: float = 0.0
     quarantine_at: float = 0.0
@@ -234,7 +236,10 @@ class Producer(Endpoint):
             if rec.state is not PState.DRAINING or rec.ending is None:
                 rec.ending = ReleaseOutcome.ABORTED
             rec.owe.add(epoch)
+            released = rec.state is PState.RELEASED
             self._step(now, rec, PInput.PEER_ABORT, remote=True)
+            if released:  # a tombstone has nothing in flight: acknowledge at once
+                self._send_owed(rec)
         elif rec.pending is not None and rec.pending.epoch == epoch:
             rec.pending = None
             self._out.append(Send(peer, Settled(rec.transfer_id, epoch)))
@@ -267,10 +272,18 @@ class Producer(Endpoint):
             self._out.append(Send(peer, Rejected(tid, epoch, RejectReason.PEER_MISMATCH)))
             return
         reg, pending = rec.reg, rec.pending
-        if (reg is not None and reg.epoch == epoch) or (
-            pending is not None and pending.epoch == epoch
+        if (
+            (reg is not None and reg.epoch == epoch)
+            or (pending is not None and pending.epoch == epoch)
+            or (rec.state is PState.RELEASED and epoch == rec.delivered_epoch)
         ):
+            # A duplicate, also of an epoch already delivered and released: a
+            # Rejected would wrongly fail a transfer whose data already landed.
             self._counters["register_duplicate"] += 1
+            return
+        if msg.mode not in self.identity.modes:
+            self._counters["register_invalid"] += 1
+            self._out.append(Send(peer, Rejected(tid, epoch, RejectReason.INVALID)))
             return
         if rec.state in (PState.RELEASED, PState.DRAINING):
             self._counters["register_after_release"] += 1
@@ -542,6 +555,8 @@ class Producer(Endpoint):
         self._send_owed(rec)
         if rec.pending is not None:
             self._reject(rec, rec.pending, RejectReason.RELEASED)
+        if outcome is ReleaseOutcome.DELIVERED and rec.reg is not None:
+            rec.delivered_epoch = rec.reg.epoch
         rec.reg = rec.pending = None
         rec.expires_at = now + self.config.tombstone_ttl
         if rec.src is not None and not rec.released:

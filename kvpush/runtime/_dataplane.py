@@ -1,0 +1,247 @@
+"""The background data-plane thread: plan, post and poll writes and reads.
+
+The protocol core emits :class:`StartWrite` / :class:`StartRead`; the runtime
+hands them to a :class:`DataPlane`, whose own thread turns each into a merged
+plan (:class:`TransferPlanner`, cached per rank pair), posts it on the right
+rank's :class:`Transport`, and polls every transport continuously (a target
+that stops polling stalls its producers). Results go back through
+``on_results``, called from the data-plane thread, so the caller's thread only
+ever pays O(1) per request: an append to a queue.
+
+Time: ``not_after`` deadlines are on ``time.monotonic()``, the clock asyncio's
+loop (and so anyio's ``current_time()``) runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kvpush.protocol import (
+    Codec,
+    Completion,
+    KvpushError,
+    KVLayout,
+    Role,
+    Source,
+    StartRead,
+    StartWrite,
+    TransferPlanner,
+)
+
+from ._transport import Transport
+
+__all__ = ("DataPlane", "NoticeIn", "OpResult", "PeerRanks", "Rank")
+
+log = logging.getLogger("kvpush.dataplane")
+
+
+@dataclass(frozen=True, slots=True)
+class Rank:
+    """One local rank: its transport and where its KV lives."""
+
+    transport: Transport
+    layout: KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRanks:
+    """A peer instance's ranks: transport metadata and layout per rank index
+    (producer: ``pp * tp_size + tp``; consumer: its TP rank)."""
+
+    peer: str
+    ranks: Mapping[int, tuple[bytes, KVLayout]]
+    tp: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpResult:
+    """A StartWrite or StartRead settled (``error`` is None on success)."""
+
+    action: StartWrite | StartRead
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class NoticeIn:
+    """A completion notice that arrived at one of our ranks."""
+
+    notice: Completion
+
+
+Result = OpResult | NoticeIn
+
+
+class DataPlane:
+    """Owns the local ranks' transports and the thread that drives them."""
+
+    def __init__(
+        self,
+        role: Role,
+        ranks: Mapping[int, Rank],
+        tp: int,
+        codec: Codec,
+        on_results: Callable[[list[Result]], None],
+        *,
+        idle_sleep: float = 0.0005,
+    ) -> None:
+        self.role = role
+        self.ranks = dict(ranks)
+        self.tp = tp
+        self.codec = codec
+        self._on_results = on_results
+        self._idle_sleep = idle_sleep
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._peers: dict[str, PeerRanks] = {}
+        self._agents: dict[tuple[str, int], str] = {}
+        self._planners: dict[tuple[str, int, int], TransferPlanner] = {}
+        self._posted: dict[tuple[int, int], StartWrite | StartRead] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.posted = 0
+        self.failed_posts = 0
+
+    # --- called from any thread ----------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise KvpushError("data plane already started")
+        for rank in self.ranks.values():
+            rank.transport.register(rank.layout)
+        self._thread = threading.Thread(target=self._run, name="kvpush-dataplane", daemon=True)
+        self._thread.start()
+
+    def submit(self, action: StartWrite | StartRead) -> None:
+        """Queue an action; O(1), never blocks."""
+        self._inbox.put(("op", action))
+
+    def add_peer(self, peer: PeerRanks) -> None:
+        """Queue a peer's rank metadata (a new instance replaces the old)."""
+        self._inbox.put(("peer", peer))
+
+    def metadata(self) -> dict[int, bytes]:
+        """Our ranks' transport metadata, for the handshake."""
+        return {i: r.transport.metadata() for i, r in self.ranks.items()}
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread; posted transfers are reported failed."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise KvpushError("data-plane thread did not stop in time")
+        leftover: list[Result] = [OpResult(a, "data plane stopped") for a in self._posted.values()]
+        self._posted.clear()
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "op":
+                assert isinstance(item, (StartWrite, StartRead))
+                leftover.append(OpResult(item, "data plane stopped"))
+        if leftover:
+            self._on_results(leftover)
+
+    # --- the thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                results = self._take_commands()
+                busy = bool(results)
+                for index, rank in self.ranks.items():
+                    completed, notices = rank.transport.poll()
+                    for c in completed:
+                        action = self._posted.pop((index, c.handle), None)
+                        if action is not None:
+                            results.append(OpResult(action, c.error))
+                    for n in notices:
+                        results.append(NoticeIn(self.codec.decode_notice(n.payload)))
+                    busy = busy or bool(completed or notices)
+                if results:
+                    self._on_results(results)
+                if not busy:
+                    time.sleep(self._idle_sleep if self._posted else self._idle_sleep * 4)
+        except BaseException as exc:  # surfaced by the runtime, never swallowed
+            log.exception("data-plane thread failed")
+            self.error = exc
+
+    def _take_commands(self) -> list[Result]:
+        results: list[Result] = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return results
+            if kind == "peer":
+                assert isinstance(item, PeerRanks)
+                self._add_peer(item)
+            else:
+                assert isinstance(item, (StartWrite, StartRead))
+                error = self._post(item)
+                if error is not None:
+                    self.failed_posts += 1
+                    results.append(OpResult(item, error))
+
+    def _add_peer(self, peer: PeerRanks) -> None:
+        self._peers[peer.peer] = peer
+        self._planners = {k: v for k, v in self._planners.items() if k[0] != peer.peer}
+        for index, (meta, _) in peer.ranks.items():
+            for rank in self.ranks.values():
+                agent = rank.transport.add_peer(meta)
+            self._agents[(peer.peer, index)] = agent
+
+    def _post(self, action: StartWrite | StartRead) -> str | None:
+        """Post one action; return an error text instead of raising."""
+        if time.monotonic() > action.not_after:
+            return "not posted: its lease ran out"
+        route = action.route
+        local_index, remote_index = self._indices(action.peer, route.source, route.consumer_rank)
+        rank = self.ranks.get(local_index)
+        peer = self._peers.get(action.peer)
+        if rank is None or peer is None or remote_index not in peer.ranks:
+            return f"no rank to serve {route}"
+        try:
+            planner = self._planner(action.peer, local_index, remote_index)
+            agent = self._agents[(action.peer, remote_index)]
+            if isinstance(action, StartWrite):
+                plan = planner.plan(action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens)
+                notice = self.codec.encode_notice(action.notice)
+                handle = rank.transport.write(agent, plan.src, plan.dst, notice)
+            else:
+                plan = planner.plan(action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens)
+                handle = rank.transport.read(agent, plan.dst, plan.src)
+        except KvpushError as exc:
+            return f"not posted: {exc}"
+        self._posted[(local_index, handle)] = action
+        self.posted += 1
+        return None
+
+    def _indices(self, peer: str, source: Source, consumer_rank: int) -> tuple[int, int]:
+        """(local rank index, remote rank index) of a route."""
+        if self.role is Role.PRODUCER:
+            return source.pp * self.tp + source.tp, consumer_rank
+        tp = self._peers[peer].tp if peer in self._peers else 1
+        return consumer_rank, source.pp * tp + source.tp
+
+    def _planner(self, peer: str, local: int, remote: int) -> TransferPlanner:
+        key = (peer, local, remote)
+        planner = self._planners.get(key)
+        if planner is None:
+            mine = self.ranks[local].layout
+            theirs = self._peers[peer].ranks[remote][1]
+            producer, consumer = (mine, theirs) if self.role is Role.PRODUCER else (theirs, mine)
+            planner = self._route_planner(producer, consumer, peer, local, remote)
+            self._planners[key] = planner
+        return planner
+
+    def _route_planner(
+        self, producer: KVLayout, consumer: KVLayout, peer: str, local: int, remote: int
+    ) -> TransferPlanner:
+        raise NotImplementedError

@@ -1,0 +1,96 @@
+"""The data-plane transport interface the runtime drives (one object per rank).
+
+Implementations: :class:`~kvpush.runtime.ShmTransport` (shared memory, two
+processes on one machine; the embedded default) and the NIXL adapter
+(``kvpush_nixl``). The runtime calls every method from ONE thread (its
+background writer thread), so implementations need no locking of their own.
+
+Descriptors are the planner's ``(N, 3)`` uint64 arrays of ``(address, length,
+device id)`` rows (:class:`~kvpush.protocol.TransferPlan`). Completion notices
+are opaque bytes (the codec's compact :class:`~kvpush.protocol.Completion`
+encoding) that travel *with* the data: a notice is delivered to the target
+only after the bytes of its transfer are visible there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvpush.protocol import KvpushError, KVLayout
+
+__all__ = ("Completed", "Descriptors", "Notice", "Transport", "TransportError")
+
+#: ``(N, 3)`` uint64 rows of (address, length, device id).
+Descriptors = NDArray[np.uint64]
+
+
+class TransportError(KvpushError):
+    """A transfer could not be posted, or a peer is unknown or gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """A posted transfer settled: ``error`` is ``None`` on success. Either way
+    nothing of it moves any more."""
+
+    handle: int
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A completion notice that arrived from ``peer`` (its data is visible)."""
+
+    peer: str
+    payload: bytes
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """One rank's data plane."""
+
+    @property
+    def agent(self) -> str:
+        """This rank's transport name, unique in the fleet."""
+        ...
+
+    def register(self, layout: KVLayout) -> None:
+        """Register every region of this rank's KV memory (once)."""
+        ...
+
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this rank (carried by the handshake)."""
+        ...
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Accept a peer's metadata; returns its agent name. Metadata of a new
+        instance of a known agent replaces the old one: handles and
+        descriptors made for the old instance are never reused."""
+        ...
+
+    def remove_peer(self, agent: str) -> None:
+        """Forget a peer; transfers to it that are still posted fail."""
+        ...
+
+    def write(self, agent: str, src: Descriptors, dst: Descriptors, notice: bytes) -> int:
+        """Post a WRITE of local ``src`` rows into ``agent``'s ``dst`` rows,
+        delivering ``notice`` to it after the data. Returns a handle; raises
+        :class:`TransportError` if it cannot be posted."""
+        ...
+
+    def read(self, agent: str, local: Descriptors, remote: Descriptors) -> int:
+        """Post a READ of ``agent``'s ``remote`` rows into local ``local`` rows."""
+        ...
+
+    def poll(self) -> tuple[list[Completed], list[Notice]]:
+        """Make progress; return settled transfers and received notices.
+        Never blocks. A target must keep polling for writes to it to finish."""
+        ...
+
+    def close(self) -> None:
+        """Release every resource (memory registrations, connections)."""
+        ...
