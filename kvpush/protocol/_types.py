@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ._errors import LocalProtocolError
 
@@ -84,16 +84,16 @@ class RejectReason(enum.Enum):
     INVALID = "invalid"
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Source:
-    """One producer rank: its tensor-parallel rank and pipeline stage."""
+class Source(NamedTuple):
+    """One producer rank: its tensor-parallel rank and pipeline stage.
+
+    A named tuple rather than a dataclass: it is hashed on every completion
+    (sets of ``(source, consumer rank)`` pairs), and a tuple hashes in C.
+    Ranges are checked where sources come from: the topology and the codec.
+    """
 
     tp: int
     pp: int = 0
-
-    def __post_init__(self) -> None:
-        if self.tp < 0 or self.pp < 0:
-            raise LocalProtocolError(f"negative rank in {self!r}")
 
 
 def clip_detail(detail: str) -> str:
