@@ -7,17 +7,22 @@ msgpack field type swaps) to ``Codec.decode`` / ``Codec.decode_notice``, with an
 without a secret; half the edited frames for the signed codec are re-signed so
 the edit gets past the MAC. The seed corpus holds every message type, half the
 Hellos with a KV layout (a few regions: vLLM-style split, interleaved or MLA
-tensors, or hand-built regions; both head orders, DRAM and VRAM) and Registers
-with random ``skip_tokens``; some inputs edit a Hello's layout document itself
-(its bytes, or one value or key of it) and re-wrap it in a well-formed bin, so
-the edit reaches the nested unpacker and ``KVLayout.from_wire``. Every input
+tensors, or hand-built regions; both head orders, DRAM and VRAM), half with
+per-rank blobs (``Hello.ranks``: 1 to 300 of random bytes, a few up to 64 KiB)
+and Registers with random ``skip_tokens``; some inputs edit a Hello's layout
+document itself (its bytes, or one value or key of it) and re-wrap it in a
+well-formed bin, so the edit reaches the nested unpacker and
+``KVLayout.from_wire``; others edit a Hello's ranks array (an entry swapped for
+any value, entries added, the array repeated past ``max_ranks``, blobs past
+``max_ranks_bytes`` in all, which are rare as they are big). Every input
 must decode to a message that round-trips or raise ``RemoteProtocolError``;
 anything else is counted in ``other_exceptions`` (must be 0) and the first few
 are printed to stderr.
 
-Prints one JSON object: the fuzz counts (``layout_edits``: how many inputs were
-layout edits) plus sizes and encode/decode times of a Register with 64 block
-ids, of a Hello with a 64-region layout and of a Completion notice.
+Prints one JSON object: the fuzz counts (``layout_edits`` and ``ranks_edits``:
+how many inputs were such edits) plus sizes and encode/decode times of a
+Register with 64 block ids, of a Hello with a 64-region layout, of a Hello with
+8 rank blobs of 300 bytes and of a Completion notice.
 
     python benchmarks/fuzz_codec.py --n 1000000 [--seed 1]
 """
@@ -25,6 +30,7 @@ ids, of a Hello with a 64-region layout and of a Completion notice.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -69,6 +75,10 @@ PLAIN = Codec()
 SIGNED = Codec(secret=SECRET)
 #: Counts of what the corpus and the inputs held (reported in the JSON).
 STATS: Counter[str] = Counter()
+_HELLO_FIELDS = [f.name for f in dataclasses.fields(Hello)]
+#: Where a Hello's layout and ranks sit in its wire body (the ranks come last).
+_LAYOUT_AT = _HELLO_FIELDS.index("layout")
+_RANKS_AT = _HELLO_FIELDS.index("ranks")
 
 # Code point ranges without surrogates: ASCII, 2-, 3- and 4-byte UTF-8.
 _RANGES = ((0x20, 0x7E), (0x80, 0x7FF), (0x800, 0xD7FF), (0x10000, 0x10FFFF))
@@ -171,6 +181,17 @@ def random_layout(rng: random.Random) -> KVLayout:
     return KVLayout(tuple(regions))
 
 
+def random_ranks(rng: random.Random) -> tuple[bytes, ...]:
+    """Per-rank blobs: often none, else 1-300 of 0-600 bytes, rarely one of 64 KiB+."""
+    if rng.random() < 0.5:
+        return ()
+    n = rng.choice([1, 1, 2, 4, 8, 8, 16, 64, 300])
+    blobs = [rng.randbytes(rng.choice([0, 1, 16, 64, 255, 256, 600])) for _ in range(n)]
+    if rng.random() < 0.02:
+        blobs[0] = rng.randbytes(rng.choice([65535, 65536, 100_000]))
+    return tuple(blobs)
+
+
 def random_message(rng: random.Random) -> Any:
     tid = text(rng, 1, 64)
     epoch = edge_int(rng, 0, (1 << 63) - 1)
@@ -194,6 +215,7 @@ def random_message(rng: random.Random) -> Any:
             modes,
             edge_int(rng, 0, 0xFFFF),
             random_layout(rng) if rng.random() < 0.5 else None,
+            random_ranks(rng),
         )
     if kind == 1:
         return HelloReject(text(rng, 0, 20), text(rng, 0, 100))
@@ -283,9 +305,9 @@ def layout_edit(rng: random.Random, data: bytes, docs: list[bytes]) -> bytes:
     body = msgpack.unpackb(data[6:])
     r = rng.random()
     if r < 0.35:
-        doc = mutate(rng, body[-1], docs)
+        doc = mutate(rng, body[_LAYOUT_AT], docs)
     else:
-        obj = msgpack.unpackb(body[-1])
+        obj = msgpack.unpackb(body[_LAYOUT_AT])
         regions = obj["regions"]
         target = obj if rng.random() < 0.1 else rng.choice(regions)
         key = rng.choice(sorted(target))
@@ -302,7 +324,27 @@ def layout_edit(rng: random.Random, data: bytes, docs: list[bytes]) -> bytes:
         else:
             target[key] = rng.choice(["NHD", "HND", "DRAM", "VRAM", "K", "", "x" * 33])
         doc = msgpack.packb(obj)
-    body[-1] = doc
+    body[_LAYOUT_AT] = doc
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return data[:6] + packed
+
+
+def ranks_edit(rng: random.Random, data: bytes) -> bytes:
+    """A plain Hello frame whose ranks array is edited (the rest left valid)."""
+    body = msgpack.unpackb(data[6:])
+    ranks = body[_RANKS_AT]
+    r = rng.random()
+    if r < 0.4 and ranks:
+        ranks[rng.randrange(len(ranks))] = wire_value(rng)
+    elif r < 0.6:
+        ranks.insert(rng.randint(0, len(ranks)), wire_value(rng))
+    elif r < 0.75:
+        ranks.append(rng.randbytes(rng.choice([0, 1, 300])))
+    elif r < 0.97:  # past max_ranks (1024) when there are enough to repeat
+        body[_RANKS_AT] = (ranks or [b""]) * rng.choice([2, 4, 1024 // max(len(ranks), 1) + 1])
+    else:  # about max_ranks_bytes in all: at, just over, or well over it
+        size = rng.choice([1 << 19, (1 << 19) + 1, 1 << 20])
+        body[_RANKS_AT] = ranks[: rng.randint(0, 2)] + [bytes(size)] * 2
     packed: bytes = msgpack.packb(body, use_bin_type=True)
     return data[:6] + packed
 
@@ -340,9 +382,10 @@ def make_input(
     frames: list[tuple[bytes, bytes]],
     notices: list[tuple[bytes, bytes]],
     layouts: tuple[list[bytes], list[bytes]],
+    hellos: list[bytes],
 ) -> tuple[Codec, bool, bytes]:
     """(codec, is-notice, data) for one fuzz input; ``layouts`` holds plain Hello
-    frames with a layout and those layouts' documents."""
+    frames with a layout and those layouts' documents, ``hellos`` plain Hello frames."""
     notice = rng.random() < 0.25
     signed = rng.random() < 0.5
     codec = SIGNED if signed else PLAIN
@@ -351,6 +394,10 @@ def make_input(
     if not notice and r < 0.06:
         STATS["layout_edits"] += 1
         data = layout_edit(rng, rng.choice(layouts[0]), layouts[1])
+        return codec, notice, sign(data, mac) if signed else data
+    if not notice and r < 0.1:
+        STATS["ranks_edits"] += 1
+        data = ranks_edit(rng, rng.choice(hellos))
         return codec, notice, sign(data, mac) if signed else data
     r = rng.random()
     if r < 0.08:
@@ -396,6 +443,11 @@ def fuzz(n: int, seed: int) -> dict[str, Any]:
     STATS["corpus_registers_with_skip_tokens"] = sum(
         type(m) is Register and m.skip_tokens > 0 for m in messages
     )
+    with_ranks = [m for m in messages if type(m) is Hello and m.ranks]
+    STATS["corpus_hellos_with_ranks"] = len(with_ranks)
+    STATS["corpus_rank_blobs"] = sum(len(m.ranks) for m in with_ranks)
+    STATS["corpus_rank_bytes"] = sum(sum(map(len, m.ranks)) for m in with_ranks)
+    hellos = [PLAIN.encode(m) for m in messages if type(m) is Hello]
     notices = [
         (PLAIN.encode_notice(c), SIGNED.encode_notice(c))
         for c in (random_notice(rng) for _ in range(500))
@@ -405,7 +457,7 @@ def fuzz(n: int, seed: int) -> dict[str, Any]:
     rejected_field: Counter[str] = Counter()  # for the new fields only
     start = time.perf_counter()
     for _ in range(n):
-        codec, notice, data = make_input(rng, frames, notices, layouts)
+        codec, notice, data = make_input(rng, frames, notices, layouts, hellos)
         try:
             if notice:
                 c = codec.decode_notice(data)
@@ -420,7 +472,7 @@ def fuzz(n: int, seed: int) -> dict[str, Any]:
             rejected += 1
             rejected_by[type(exc).__name__] += 1
             field = str(exc).partition(":")[0]
-            if field in ("Hello.layout", "Register.skip_tokens"):
+            if field in ("Hello.layout", "Hello.ranks", "Register.skip_tokens"):
                 rejected_field[field] += 1
         except Exception:  # what must never happen
             other += 1
@@ -479,6 +531,23 @@ def speed() -> dict[str, Any]:
     out["hello_layout64_bytes"] = len(data)
     out["hello_layout64_encode_us"] = per_call_us(lambda: PLAIN.encode(hello), 500)
     out["hello_layout64_decode_us"] = per_call_us(lambda: PLAIN.decode(data), 500)
+    # TP 8, each rank's data-plane description 300 bytes.
+    ranked = Hello(
+        "prefill-0",
+        1,
+        Role.PRODUCER,
+        8,
+        1,
+        8,
+        False,
+        1,
+        30.0,
+        ranks=tuple(bytes([i]) * 300 for i in range(8)),
+    )
+    data = PLAIN.encode(ranked)
+    out["hello_ranks8_bytes"] = len(data)
+    out["hello_ranks8_encode_us"] = per_call_us(lambda: PLAIN.encode(ranked), 5000)
+    out["hello_ranks8_decode_us"] = per_call_us(lambda: PLAIN.decode(data), 5000)
     return out
 
 

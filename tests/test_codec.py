@@ -66,6 +66,9 @@ CODECS = [PLAIN, SIGNED]
 MESSAGE_TYPES = typing.get_args(ControlMessage)
 CLASS_OF = {code: cls for cls, code in TYPE_CODES.items()}
 SCHEMAS = schemas(CodecLimits())
+HELLO_FIELDS = [name for name, _ in SCHEMAS[Hello]]
+LAYOUT_AT = HELLO_FIELDS.index("layout")  # where Hello's layout sits in its wire body
+RANKS_AT = HELLO_FIELDS.index("ranks")  # the last field (after the layout)
 
 # --- strategies for valid messages --------------------------------------------
 
@@ -88,6 +91,9 @@ block_ids = st.lists(
 fingerprints = st.dictionaries(names, names, max_size=6).map(lambda d: tuple(d.items()))
 modes = st.lists(st.sampled_from(Mode), min_size=1, unique=True).map(tuple)
 skip_tokens = st.integers(0, (1 << 63) - 1)
+#: Hello.ranks: opaque per-rank blobs (0-8 of 0-512 random bytes).
+rank_blobs = st.lists(st.binary(max_size=512), max_size=8).map(tuple)
+no_ranks: st.SearchStrategy[tuple[bytes, ...]] = st.just(())
 region_kinds = st.text(
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-", min_size=1, max_size=32
 )
@@ -172,7 +178,10 @@ def layouts(draw: st.DrawFn) -> KVLayout:
     return KVLayout(tuple(regions[::-1] if draw(st.booleans()) else regions))
 
 
-def hellos(layout: st.SearchStrategy[KVLayout | None]) -> st.SearchStrategy[Hello]:
+def hellos(
+    layout: st.SearchStrategy[KVLayout | None],
+    ranks: st.SearchStrategy[tuple[bytes, ...]] = no_ranks,
+) -> st.SearchStrategy[Hello]:
     return st.builds(
         Hello,
         ids,
@@ -188,11 +197,12 @@ def hellos(layout: st.SearchStrategy[KVLayout | None]) -> st.SearchStrategy[Hell
         modes,
         st.integers(0, 0xFFFF),
         layout,
+        ranks,
     )
 
 
 messages: st.SearchStrategy[ControlMessage] = st.one_of(
-    hellos(st.none() | layouts()),
+    hellos(st.none() | layouts(), rank_blobs),
     st.builds(HelloReject, names, details),
     st.builds(Register, ids, epochs, ids, block_ids, leases, st.sampled_from(Mode), skip_tokens),
     st.builds(Withdraw, ids, epochs),
@@ -290,13 +300,6 @@ def region_doc(i: int = 0, **changes: Any) -> dict[str, Any]:
     return doc
 
 
-def hello_body(layout: Any) -> list[Any]:
-    """HELLO's wire body with ``layout`` (any msgpack value) as the layout field."""
-    body = body_of(PLAIN, PLAIN.encode(HELLO))
-    body[-1] = layout
-    return list(body)
-
-
 # --- round trips and the format ----------------------------------------------
 
 
@@ -332,13 +335,22 @@ def test_golden_bytes() -> None:
     assert PLAIN.encode(bad(reg, skip_tokens=1 << 40)) == (
         b"KVP\x01\x03\x00" + reg_body + b"\xcf" + (1 << 40).to_bytes(8, "big")
     )
-    # Hello: fixarray of 13; no layout is an empty bin (c4 00) at the end.
-    hello_wire = (
-        b"\x9d\xa1e\x01\xa8producer\x01\x01\x08\xc2\x01\xcb@$"
+    # Hello: fixarray of 14; no layout is an empty bin (c4 00), then the ranks
+    # last: an array of bins, here empty (90).
+    hello_head = (
+        b"\x9e\xa1e\x01\xa8producer\x01\x01\x08\xc2\x01\xcb@$"
         + b"\x00" * 6
         + b"\x90\x92\xa4push\xa4pull\x01"
     )
-    assert PLAIN.encode(HELLO) == b"KVP\x01\x01\x00" + hello_wire + b"\xc4\x00"
+    assert PLAIN.encode(HELLO) == b"KVP\x01\x01\x00" + hello_head + b"\xc4\x00\x90"
+    # Rank blobs are bins in rank order, as given: bin8 up to 255 bytes, then bin16.
+    assert PLAIN.encode(bad(HELLO, ranks=(b"", b"\x01\x02", b"r" * 256))) == (
+        b"KVP\x01\x01\x00"
+        + hello_head
+        + b"\xc4\x00"
+        + b"\x93\xc4\x00\xc4\x02\x01\x02\xc5\x01\x00"
+        + b"r" * 256
+    )
     # A layout is a bin (here bin8, 167 bytes) holding a msgpack map: version 1
     # and the regions, each a map of 14 keys in this order, enums by value.
     one = KVLayout(
@@ -363,7 +375,7 @@ def test_golden_bytes() -> None:
     )
     assert len(doc) == 167
     assert PLAIN.encode(bad(HELLO, layout=one)) == (
-        b"KVP\x01\x01\x00" + hello_wire + b"\xc4\xa7" + doc
+        b"KVP\x01\x01\x00" + hello_head + b"\xc4\xa7" + doc + b"\x90"
     )
     assert PLAIN.encode_notice(Completion("t", 1, Source(2, 3), 4)) == (
         b"KVN\x01\x00" + (1).to_bytes(8, "little") + b"\x02\x00\x03\x00\x04\x00t"
@@ -382,10 +394,11 @@ def test_typical_sizes() -> None:
     # A skip_tokens past 127 costs what msgpack's int needs: 3, 5 or 9 bytes.
     assert len(PLAIN.encode(bad(REGISTER, skip_tokens=4096))) == 298 + 2
     assert len(PLAIN.encode(bad(REGISTER, skip_tokens=(1 << 63) - 1))) == 298 + 8
-    # Hello without a layout: header 6 + fixarray 1 + "e" 2 + instance 1 +
-    # "producer" 9 + tp, pp, heads, mla, kv_groups 5 + op_bound 9 + [] 1 +
-    # ["push", "pull"] 11 + version 1 + empty bin 2 = 48.
-    assert len(PLAIN.encode(HELLO)) == 48
+    # Hello without a layout or ranks: header 6 + fixarray 1 + "e" 2 +
+    # instance 1 + "producer" 9 + tp, pp, heads, mla, kv_groups 5 + op_bound 9 +
+    # [] 1 + ["push", "pull"] 11 + version 1 + empty bin 2 + empty ranks
+    # array 1 = 49 (48 before ranks).
+    assert len(PLAIN.encode(HELLO)) == 49
     # With LAYOUT the empty bin becomes a bin16 (3-byte header) + the document:
     # 19 bytes (fixmap, "version" 1, "regions", fixarray) + 4 regions of 153
     # bytes (the 148 of the one-region document in test_golden_bytes, + 2 + 2
@@ -393,7 +406,13 @@ def test_typical_sizes() -> None:
     # uint8) + 10 for the bases (16384 a uint16; 2**30, 2**30 + 16384 uint32s).
     doc = packed(LAYOUT.to_wire())
     assert len(doc) == 19 + 4 * 153 + 10 == 641
-    assert len(PLAIN.encode(bad(HELLO, layout=LAYOUT))) == 48 - 2 + 3 + 641
+    assert len(PLAIN.encode(bad(HELLO, layout=LAYOUT))) == 49 - 2 + 3 + 641
+    # Ranks: each blob costs its length plus a bin header (2 bytes up to 255,
+    # 3 up to 65535, else 5); TP 8 with 300-byte blobs: 49 - 1 + 1 + 8 * 303.
+    tp8 = bad(HELLO, tp=8, ranks=tuple(bytes([i]) * 300 for i in range(8)))
+    assert len(PLAIN.encode(tp8)) == 49 + 8 * 303 == 2473
+    big = bad(HELLO, ranks=(bytes(255), bytes(65536)))
+    assert len(PLAIN.encode(big)) == 49 + (2 + 255) + (5 + 65536)
     assert len(PLAIN.encode_notice(NOTICE)) == 19 + 5
     assert len(SIGNED.encode_notice(NOTICE)) == 19 + 5 + 16
 
@@ -428,6 +447,7 @@ def test_core_hello_round_trips() -> None:
     assert isinstance(decoded, Hello)
     assert decoded.version == PROTOCOL_VERSION
     assert decoded.layout is None
+    assert decoded.ranks == ()
     assert type(decoded.op_bound) is float
 
 
@@ -465,9 +485,26 @@ def test_layouts_round_trip() -> None:
             assert isinstance(decoded, Hello)
             assert decoded.layout == layout
             assert decoded.layout.regions == layout.regions  # same order too
-    # The bin holds exactly the layout's to_wire() document.
-    assert body_of(PLAIN, PLAIN.encode(bad(HELLO, layout=LAYOUT)))[-1] == packed(LAYOUT.to_wire())
-    assert body_of(PLAIN, PLAIN.encode(HELLO))[-1] == b""
+    # The bin holds exactly the layout's to_wire() document; the ranks follow it.
+    body = body_of(PLAIN, PLAIN.encode(bad(HELLO, layout=LAYOUT)))
+    assert body[LAYOUT_AT] == packed(LAYOUT.to_wire())
+    assert body[RANKS_AT] == []
+    assert body_of(PLAIN, PLAIN.encode(HELLO))[LAYOUT_AT] == b""
+
+
+def test_ranks_round_trip() -> None:
+    blobs = (b"", b"\x00", bytes(range(256)) * 3, b"\xc1\x90\xdd\xff\xff\xff\xff", b"x" * 70_000)
+    for ranks in ((), blobs, (b"",) * 1024, (b"nixl-agent-0", b"nixl-agent-1")):
+        hello = bad(HELLO, layout=LAYOUT, ranks=ranks)
+        for codec in CODECS:
+            decoded = codec.decode(codec.encode(hello))
+            assert decoded == hello
+            assert isinstance(decoded, Hello)
+            assert decoded.ranks == ranks
+            assert decoded.layout == LAYOUT
+            assert all(type(b) is bytes for b in decoded.ranks)
+        # Opaque: each blob travels as a bin of exactly its bytes, in rank order.
+        assert body_of(PLAIN, PLAIN.encode(hello))[RANKS_AT] == list(ranks)
 
 
 def test_skip_tokens_round_trip() -> None:
@@ -511,10 +548,21 @@ def test_largest_messages_fit_the_frame_bound() -> None:
         max_kv_groups=8,
         max_fingerprint_entries=5,
         max_layout_bytes=100_000,  # over 65535: the layout needs a bin32 header
+        max_ranks_bytes=100_000,  # all of it in max_ranks blobs, one a bin32
     )
     plain, signed = Codec(limits=lim), Codec(limits=lim, secret=SECRET)
     wide = "\U0010ffff" * 64  # 256 UTF-8 bytes
     groups = tuple(tuple(range(g * 125, g * 125 + 125)) for g in range(8))
+    # Rank blobs with the most header bytes the limits allow: one bin32 (65536
+    # bytes or more), as many bin16 (256 bytes) as the rest holds, and empty
+    # bin8s up to max_ranks entries.
+    n16 = (lim.max_ranks_bytes - 65536) // 256
+    blobs = (
+        bytes(lim.max_ranks_bytes - 256 * n16),
+        *(bytes(256),) * n16,
+        *(b"",) * (lim.max_ranks - 1 - n16),
+    )
+    assert len(blobs) == lim.max_ranks and sum(map(len, blobs)) == lim.max_ranks_bytes
     biggest: list[ControlMessage] = [
         Register(wide, (1 << 63) - 1, wide, groups, 1e300, Mode.PULL, (1 << 63) - 1),
         Announce(wide, (1 << 63) - 1, groups, 1e300),
@@ -532,6 +580,7 @@ def test_largest_messages_fit_the_frame_bound() -> None:
             (Mode.PULL, Mode.PUSH),
             0xFFFF,
             largest_layout(lim.max_layout_bytes),
+            blobs,
         ),
         HelloReject(wide, "\U0010ffff" * 1024),
         WriteFailed(wide, (1 << 63) - 1, Source(1023, 1023), 1023, "\U0010ffff" * 1024),
@@ -539,6 +588,21 @@ def test_largest_messages_fit_the_frame_bound() -> None:
     for msg in biggest:
         assert len(plain.encode(msg)) < len(signed.encode(msg)) <= lim.largest_frame()
         assert signed.decode(signed.encode(msg)) == msg
+
+
+def test_largest_frame_counts_the_ranks() -> None:
+    # The ranks add their total, a bin header of at most 5 bytes per entry and
+    # the array's header; a frame limit that holds them admits the largest blob.
+    lim = CodecLimits()
+    roomy = CodecLimits(max_ranks_bytes=2 << 20, max_frame_bytes=8 << 20)
+    assert roomy.largest_frame() == lim.largest_frame() + (1 << 20)
+    few = CodecLimits(max_ranks=2)
+    assert lim.largest_frame() - few.largest_frame() == 5 * (lim.max_ranks - 2)
+    codec = Codec(limits=roomy)
+    hello = bad(HELLO, ranks=(bytes(roomy.max_ranks_bytes),))  # over the other bins' limit
+    assert codec.decode(codec.encode(hello)) == hello
+    with pytest.raises(RemoteProtocolError, match="malformed body"):
+        PLAIN.decode(codec.encode(hello))
 
 
 def test_default_limits_take_the_most_block_ids() -> None:
@@ -552,13 +616,19 @@ def test_default_limits_take_the_most_block_ids() -> None:
         PLAIN.encode(over)
 
 
-def test_default_limits_take_the_largest_layout() -> None:
+def test_default_limits_take_the_largest_hello() -> None:
+    """The most fingerprint entries, the largest layout and max_ranks blobs of
+    max_ranks_bytes in all, together in one frame (2.1 MB, hence the 4 MiB
+    default frame limit)."""
     lim = CodecLimits()
     layout = largest_layout(lim.max_layout_bytes)
     fp = tuple((f"k{i}", "v" * 256) for i in range(lim.max_fingerprint_entries))
-    hello = bad(HELLO, fingerprint=fp, layout=layout)
+    each = lim.max_ranks_bytes // lim.max_ranks
+    ranks = tuple(bytes([i % 256]) * each for i in range(lim.max_ranks))
+    assert sum(map(len, ranks)) == lim.max_ranks_bytes
+    hello = bad(HELLO, fingerprint=fp, layout=layout, ranks=ranks)
     data = SIGNED.encode(hello)
-    assert len(data) <= lim.largest_frame() <= lim.max_frame_bytes
+    assert 1 << 21 < len(data) <= lim.largest_frame() <= lim.max_frame_bytes
     assert SIGNED.decode(data) == hello
     last = layout.regions[-1]  # one more region of the same size no longer fits
     more = KVLayout((*layout.regions, dataclasses.replace(last, layer=last.layer - 1)))
@@ -574,6 +644,11 @@ def test_default_limits_take_the_largest_layout() -> None:
     [
         {"max_frame_bytes": 0},
         {"max_frame_bytes": 4096},  # cannot hold 2**18 block ids
+        {"max_frame_bytes": 1 << 21},  # the old default: not a layout and ranks of 1 MiB each
+        {"max_ranks_bytes": 0},
+        {"max_ranks_bytes": True},
+        {"max_ranks_bytes": (1 << 30) + 1},
+        {"max_ranks_bytes": 3 << 20},  # more than the default frame holds besides the rest
         {"max_block_ids": 0},
         {"max_ranks": 1025},
         {"max_id_len": 257},
@@ -672,6 +747,18 @@ H = HELLO
         bad(H, layout=LAYOUT.to_wire()),
         bad(H, layout=packed(LAYOUT.to_wire())),
         bad(H, layout=b""),
+        bad(H, ranks=None),
+        bad(H, ranks=b"blob"),  # bytes, not a sequence of them
+        bad(H, ranks="ab"),
+        bad(H, ranks=("x",)),  # a str, not bytes
+        bad(H, ranks=(b"a", bytearray(b"b"))),  # only bytes itself
+        bad(H, ranks=(memoryview(b"m"),)),
+        bad(H, ranks=(None,)),
+        bad(H, ranks=(0,)),
+        bad(H, ranks=((b"a",),)),
+        bad(H, ranks=(b"",) * 1025),  # more than max_ranks entries
+        bad(H, ranks=(bytes(1 << 20), b"\x00")),  # max_ranks_bytes + 1 in all
+        bad(H, ranks=(b"x" * ((1 << 20) + 1),)),
         HelloReject("f", "d" * 4097),
         WriteFailed("t", 1, Source(1024, 0), 0),
         WriteFailed("t", 1, Source(0, 0), 1024),
@@ -696,6 +783,9 @@ def test_encode_invalid_raises_local_error(msg: Any) -> None:
         (bad(R, skip_tokens=0.0), "Register.skip_tokens"),
         (bad(H, layout=LAYOUT.regions), "Hello.layout"),
         (bad(H, layout=0), "Hello.layout"),
+        (bad(H, ranks=("x",)), "Hello.ranks"),
+        (bad(H, ranks=(b"",) * 1025), "Hello.ranks"),
+        (bad(H, ranks=(bytes(1 << 20), b"\x00")), "Hello.ranks"),
     ],
 )
 def test_encode_names_the_new_fields(msg: Any, field: str) -> None:
@@ -718,6 +808,57 @@ def test_layout_size_limit_is_exact_on_both_sides() -> None:
     assert short.decode(short.encode(HELLO)) == HELLO  # no layout: always fits
 
 
+def test_ranks_limits_are_exact_on_both_sides() -> None:
+    """max_ranks bounds the count, max_ranks_bytes the blobs' total length
+    (not each blob, not the headers): the limit itself is accepted, one more
+    is refused by encode (LocalProtocolError) and decode (RemoteProtocolError)."""
+    hello = bad(HELLO, ranks=(b"a" * 100, b"", b"b" * 28))  # 3 blobs, 128 bytes
+    fits = Codec(limits=CodecLimits(max_ranks=3, max_ranks_bytes=128))
+    assert fits.decode(fits.encode(hello)) == hello
+    for lim, encode_error, decode_error in [
+        (
+            CodecLimits(max_ranks_bytes=127),
+            r"Hello\.ranks: rank descriptions exceed 127 bytes in all",
+            r"Hello\.ranks: rank descriptions exceed 127 bytes in all",
+        ),
+        (
+            CodecLimits(max_ranks=2),
+            r"Hello\.ranks: ranks: expected 0 to 2 entries",
+            r"Hello\.ranks: ranks: expected an array of 0 to 2 entries",
+        ),
+    ]:
+        for secret in (None, SECRET):
+            short = Codec(limits=lim, secret=secret)
+            sender = Codec(limits=fits.limits, secret=secret)
+            with pytest.raises(LocalProtocolError, match=encode_error):
+                short.encode(hello)
+            with pytest.raises(RemoteProtocolError, match=decode_error):
+                short.decode(sender.encode(hello))
+            assert short.decode(short.encode(HELLO)) == HELLO  # no ranks: always fits
+    # The defaults: max_ranks (1024) blobs of max_ranks_bytes (1 MiB) in all
+    # round-trip, and so does one blob of all of it (a bin32).
+    lim = CodecLimits()
+    each = lim.max_ranks_bytes // lim.max_ranks
+    full = bad(HELLO, ranks=(b"r" * each,) * lim.max_ranks)
+    one = bad(HELLO, ranks=(bytes(lim.max_ranks_bytes),))
+    for msg in (full, one):
+        for codec in CODECS:
+            assert codec.decode(codec.encode(msg)) == msg
+    # One byte more: refused on encode, and on decode when a roomier peer sent it.
+    over = bad(full, ranks=(*full.ranks[:-1], full.ranks[-1] + b"!"))
+    with pytest.raises(LocalProtocolError, match=r"Hello\.ranks: rank descriptions exceed"):
+        PLAIN.encode(over)
+    roomy = Codec(limits=CodecLimits(max_ranks_bytes=lim.max_ranks_bytes + 1))
+    with pytest.raises(RemoteProtocolError, match=r"Hello\.ranks: rank descriptions exceed"):
+        PLAIN.decode(roomy.encode(over))
+    # One entry more cannot be encoded by any codec (max_ranks is capped at
+    # 1024); crafted, it is over the unpacker's array limit (max_ranks).
+    with pytest.raises(LocalProtocolError, match=r"Hello\.ranks: ranks: expected 0 to 1024"):
+        PLAIN.encode(bad(HELLO, ranks=(b"",) * (lim.max_ranks + 1)))
+    with pytest.raises(RemoteProtocolError, match="Hello: malformed body"):
+        PLAIN.decode(frame(1, hello_wire(ranks=[b""] * (lim.max_ranks + 1))))
+
+
 @pytest.mark.parametrize(
     "notice",
     [
@@ -738,6 +879,8 @@ def test_encode_invalid_notice_raises_local_error(notice: Any) -> None:
 def test_encoding_accepts_lists_and_normalises() -> None:
     msg = Register("t", 1, "c", [[3, 1], []], 2, Mode.PULL)  # type: ignore[arg-type]
     assert PLAIN.decode(PLAIN.encode(msg)) == Register("t", 1, "c", ((3, 1), ()), 2.0, Mode.PULL)
+    hello = bad(HELLO, ranks=[b"a", b""])
+    assert PLAIN.decode(PLAIN.encode(hello)) == bad(HELLO, ranks=(b"a", b""))
 
 
 def test_decode_rejects_non_bytes_as_local_misuse() -> None:
@@ -905,7 +1048,7 @@ def test_bad_magic_or_short_notice(data: bytes) -> None:
 # back to the valid body's value it decodes (checked in the test), so no case
 # can pass by failing on the field count or on some other field.
 VALID_WIRE: dict[type[Any], list[Any]] = {
-    Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b""],
+    Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b"", []],
     HelloReject: ["f", "d"],
     Register: ["t", 1, "c", [b""], 1.0, "push", 0],
     Withdraw: ["t", 1],
@@ -919,9 +1062,14 @@ VALID_WIRE: dict[type[Any], list[Any]] = {
 }
 
 
-def hello_wire(layout: Any) -> list[Any]:
-    """The valid Hello body with ``layout`` (any msgpack value) as the layout."""
-    return [*VALID_WIRE[Hello][:-1], layout]
+def hello_wire(layout: Any = b"", **changes: Any) -> list[Any]:
+    """The valid Hello body with ``layout`` (any msgpack value) as the layout
+    and the fields named in ``changes`` (``ranks=[...]``) set to their values."""
+    body = list(VALID_WIRE[Hello])
+    body[LAYOUT_AT] = layout
+    for name, value in changes.items():
+        body[HELLO_FIELDS.index(name)] = value
+    return body
 
 
 DECODE_CASES: list[tuple[int, list[Any], str]] = [
@@ -952,24 +1100,31 @@ DECODE_CASES: list[tuple[int, list[Any], str]] = [
     (3, ["t", 1, "c", [b""], 1.0, "push", 16.0], "skip_tokens"),
     (3, ["t", 1, "c", [b""], 1.0, "push", None], "skip_tokens"),
     (3, ["t", 1, "c", [b""], 1.0, "push", "0"], "skip_tokens"),
-    (1, ["e", 1, "producer", 1, 1, 8, False, 1, 0.0, [], ["push"], 1, b""], "op_bound"),
-    (1, ["e", 1, "producer", 0, 1, 8, False, 1, 1.0, [], ["push"], 1, b""], "tp"),
-    (1, ["e", 1, "producer", 1, 1, 8, 0, 1, 1.0, [], ["push"], 1, b""], "mla"),  # int
-    (
-        1,
-        ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [["a", "b", "c"]], ["push"], 1, b""],
-        "fingerprint",
-    ),
-    (
-        1,
-        ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [["a", "b"], ["a", "c"]], ["push"], 1, b""],
-        "fingerprint",
-    ),
-    (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], [], 1, b""], "modes"),
-    (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push", "push"], 1, b""], "modes"),
-    (1, ["e", 1, "decoder", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b""], "role"),
-    (1, ["e", -1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b""], "instance"),
-    (1, ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1 << 16, b""], "version"),
+    (1, hello_wire(op_bound=0.0), "op_bound"),
+    (1, hello_wire(tp=0), "tp"),
+    (1, hello_wire(mla=0), "mla"),  # an int is not a bool
+    (1, hello_wire(fingerprint=[["a", "b", "c"]]), "fingerprint"),
+    (1, hello_wire(fingerprint=[["a", "b"], ["a", "c"]]), "fingerprint"),
+    (1, hello_wire(modes=[]), "modes"),
+    (1, hello_wire(modes=["push", "push"]), "modes"),
+    (1, hello_wire(role="decoder"), "role"),
+    (1, hello_wire(instance=-1), "instance"),
+    (1, hello_wire(version=1 << 16), "version"),
+    # The ranks field: an array of bins (any bytes) and nothing else.
+    (1, hello_wire(ranks=None), "ranks"),
+    (1, hello_wire(ranks=b""), "ranks"),  # a bin, not an array of them
+    (1, hello_wire(ranks=0), "ranks"),
+    (1, hello_wire(ranks=[""]), "ranks"),  # a str, not a bin
+    (1, hello_wire(ranks=[b"a", "b"]), "ranks"),
+    (1, hello_wire(ranks=[0]), "ranks"),
+    (1, hello_wire(ranks=[None]), "ranks"),
+    (1, hello_wire(ranks=[True]), "ranks"),
+    (1, hello_wire(ranks=[1.0]), "ranks"),
+    (1, hello_wire(ranks=[[]]), "ranks"),
+    (1, hello_wire(ranks=[[b"a"]]), "ranks"),
+    (1, hello_wire(ranks=[b"a", [b"b"]]), "ranks"),
+    (1, hello_wire(ranks=[bytes(1 << 20), b"\x00"]), "ranks"),  # 1 MiB + 1 in all
+    (1, hello_wire(ranks=[bytes(1 << 19), bytes(1 << 19), b"x"]), "ranks"),  # ... over 3 blobs
     # The layout field: not a bin, or a bin that is not one msgpack document.
     (1, hello_wire(None), "layout"),
     (1, hello_wire(""), "layout"),  # a str, not a bin
@@ -1088,6 +1243,10 @@ def test_valid_wire_bodies_decode() -> None:
     assert PLAIN.decode(frame(1, hello_wire(packed(LAYOUT.to_wire())))) == bad(
         HELLO, op_bound=1.0, kv_groups=1, modes=(Mode.PUSH,), layout=LAYOUT
     )
+    ranks = [b"", b"\x00", b"\xc4\x00", bytes(300)]  # opaque: any bytes, even msgpack
+    assert PLAIN.decode(frame(1, hello_wire(ranks=ranks))) == bad(
+        HELLO, op_bound=1.0, kv_groups=1, modes=(Mode.PUSH,), ranks=tuple(ranks)
+    )
 
 
 @pytest.mark.parametrize("cls", MESSAGE_TYPES, ids=lambda c: c.__name__)
@@ -1102,19 +1261,31 @@ def test_decode_checks_the_field_count(cls: type[Any]) -> None:
             PLAIN.decode(frame(TYPE_CODES[cls], body))
 
 
-def test_bodies_of_the_format_before_layout_and_skip_tokens_are_refused() -> None:
-    # A peer that predates Hello.layout / Register.skip_tokens sends 12 and 6
-    # fields: refused for the count, never misread.
-    old_hello = ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1]
+def test_bodies_of_older_formats_are_refused() -> None:
+    # A peer that predates Hello.ranks sends 13 Hello fields (the layout last),
+    # one that predates Hello.layout / Register.skip_tokens 12 and 6: refused
+    # for the count, never misread (a layout bin taken for the ranks, say).
+    assert RANKS_AT == len(HELLO_FIELDS) - 1 == 13
+    before_ranks = VALID_WIRE[Hello][:RANKS_AT]
+    assert before_ranks == ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b""]
+    old_hellos = [
+        before_ranks,
+        [*before_ranks[:-1], packed(LAYOUT.to_wire())],  # with a layout
+        before_ranks[:-1],  # before layout too
+    ]
     old_register = ["t", 1, "c", [b""], 1.0, "push"]
-    with pytest.raises(RemoteProtocolError, match="Hello: expected 13 fields"):
-        PLAIN.decode(frame(1, old_hello))
+    for old_hello in old_hellos:
+        for codec, data in ((PLAIN, frame(1, old_hello)), (SIGNED, sign(frame(1, old_hello)))):
+            with pytest.raises(RemoteProtocolError, match=r"^Hello: expected 14 fields$"):
+                codec.decode(data)
     with pytest.raises(RemoteProtocolError, match="Register: expected 7 fields"):
         PLAIN.decode(frame(3, old_register))
 
 
 def test_decode_respects_configured_limits() -> None:
-    lim = CodecLimits(max_block_ids=4, max_kv_groups=2, max_ranks=4, max_id_len=8)
+    lim = CodecLimits(
+        max_block_ids=4, max_kv_groups=2, max_ranks=4, max_id_len=8, max_ranks_bytes=8
+    )
     small = Codec(limits=lim)
     assert small.decode(frame(4, ["12345678", 1])) == Withdraw("12345678", 1)
     for code, fields, field in [
@@ -1126,6 +1297,10 @@ def test_decode_respects_configured_limits() -> None:
             "Register.blocks",
         ),
         (8, ["t", 1, [4, 0], 0, ""], "WriteFailed.source"),
+        (1, hello_wire(tp=5), "Hello.tp"),
+        (1, hello_wire(ranks=[b""] * 5), "Hello.ranks"),  # 5 blobs, max_ranks 4
+        (1, hello_wire(ranks=[b"1234", b"56789"]), "Hello.ranks"),  # 9 bytes in all
+        (1, hello_wire(ranks=[b"123456789"]), "Hello.ranks"),
     ]:
         assert len(fields) == len(SCHEMAS[CLASS_OF[code]])
         assert PLAIN.decode(frame(code, fields))  # only the small limits refuse it
@@ -1134,13 +1309,17 @@ def test_decode_respects_configured_limits() -> None:
 
 
 def test_values_over_the_unpacker_limits_are_refused_as_malformed() -> None:
-    # The outer unpacker's str and bin limits equal the largest valid field, so
-    # one byte more is refused before the fields are looked at.
+    # The outer unpacker's str and bin limits equal the largest valid field, and
+    # its array limit the longest valid array (max_ranks rank blobs), so one
+    # byte or entry more is refused before the fields are looked at.
     lim = CodecLimits()
     for code, fields in [
         (8, ["t", 1, [0, 0], 0, "x" * (lim.max_detail_len + 1)]),
         (3, ["t", 1, "c", [bytes(4 * lim.max_block_ids + 4)], 1.0, "push", 0]),
         (1, hello_wire(bytes(lim.max_layout_bytes + 1))),
+        (1, hello_wire(ranks=[bytes(lim.max_ranks_bytes + 1)])),
+        (1, hello_wire(ranks=[b""] * (lim.max_ranks + 1))),
+        (1, hello_wire(fingerprint=[0] * (lim.max_ranks + 1))),  # any array
     ]:
         assert len(fields) == len(SCHEMAS[CLASS_OF[code]])
         with pytest.raises(RemoteProtocolError, match="malformed body"):
@@ -1166,6 +1345,56 @@ def test_layout_bombs_allocate_little() -> None:
         finally:
             tracemalloc.stop()
         assert peak < 8 * len(data)
+
+
+def hello_frame_with_ranks(ranks: bytes) -> bytes:
+    """A plain Hello frame of VALID_WIRE's fields with ``ranks`` (raw msgpack,
+    which may claim more than it holds) as the ranks field."""
+    assert len(HELLO_FIELDS) - 1 == RANKS_AT  # the ranks come last
+    head = packed(VALID_WIRE[Hello])[:-1]  # fixarray of 14, ..., without the empty ranks
+    assert head[0] == 0x90 + len(HELLO_FIELDS)
+    return b"KVP\x01\x01\x00" + head + ranks
+
+
+def test_rank_bombs_allocate_little() -> None:
+    """Rank blobs are bounded in count (the unpacker's array limit, then
+    max_ranks) and in total (max_bin_len each, then max_ranks_bytes in all):
+    frames claiming huge bins or arrays, holding arrays where bins belong, or
+    blobs over the total are refused having allocated about their own size."""
+    lim = CodecLimits()
+    n = lim.max_ranks
+    malformed = r"^Hello: malformed body"
+    over = rf"^Hello\.ranks: rank descriptions exceed {lim.max_ranks_bytes} bytes in all$"
+    too_many = r"^Hello: malformed body: too many arrays$"
+    array16 = b"\xdc" + n.to_bytes(2, "big")  # an array of n entries
+    cases = [
+        # max_ranks bin32 headers each claiming 4 GiB: refused at the first.
+        (array16 + b"\xc6\xff\xff\xff\xff" * n, malformed),
+        # An array32 claiming 4G entries, then 1 MiB of empty bins.
+        (b"\xdd\xff\xff\xff\xff" + b"\xc4\x00" * (1 << 19), malformed),
+        # max_ranks nested arrays of max_ranks empty arrays (~1M lists in 1 MiB).
+        (array16 + (array16 + b"\x90" * n) * n, too_many),
+        # max_ranks blobs of 1025 bytes: each small, in all over 1 MiB.
+        (packed([bytes(lim.max_ranks_bytes // n + 1)] * n), over),
+        # Three blobs of the largest bin (1 MiB each) in a 3 MiB frame.
+        (packed([bytes(lim.max_ranks_bytes)] * 3), over),
+        # A blob over the largest bin, claimed but absent, and present.
+        (b"\x91\xc6" + (lim.max_ranks_bytes + 1).to_bytes(4, "big"), malformed),
+        (packed([bytes(lim.max_ranks_bytes + 1)]), malformed),
+    ]
+    for ranks, error in cases:
+        data = hello_frame_with_ranks(ranks)
+        assert len(data) <= lim.max_frame_bytes
+        tracemalloc.start()
+        try:
+            with pytest.raises(RemoteProtocolError, match=error):
+                PLAIN.decode(data)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        # Refused early: a few KiB. Refused for the total: the blobs themselves
+        # (msgpack copies each bin into a bytes), never a multiple of the frame.
+        assert peak < (1 << 16) + len(data) + len(data) // 8
 
 
 @pytest.mark.parametrize(
@@ -1264,17 +1493,19 @@ def test_type_swapped_fields_decode_or_raise_remote_error(msg: ControlMessage, d
     check_decode(SIGNED, sign(swapped))
 
 
-@given(layout=layouts(), data=st.data())
-def test_mutated_layouts_decode_or_raise_remote_error(layout: KVLayout, data: Any) -> None:
+@given(layout=layouts(), ranks=rank_blobs, data=st.data())
+def test_mutated_layouts_decode_or_raise_remote_error(
+    layout: KVLayout, ranks: tuple[bytes, ...], data: Any
+) -> None:
     """Edits inside the layout document, re-wrapped in a well-formed bin, so
     they reach the inner unpacker and KVLayout.from_wire (edits of the whole
-    frame mostly break the outer framing first)."""
-    msg = bad(HELLO, layout=layout)
+    frame mostly break the outer framing first). The ranks after it stay."""
+    msg = bad(HELLO, layout=layout, ranks=ranks)
     body = body_of(PLAIN, PLAIN.encode(msg))
-    doc = msgpack.unpackb(body[-1])
+    doc = msgpack.unpackb(body[LAYOUT_AT])
     how = data.draw(st.sampled_from(["bytes", "region value", "region key", "top level"]))
     if how == "bytes":
-        body[-1] = data.draw(mutations(body[-1]))
+        body[LAYOUT_AT] = data.draw(mutations(body[LAYOUT_AT]))
     else:
         if how == "top level":
             target = doc
@@ -1287,7 +1518,7 @@ def test_mutated_layouts_decode_or_raise_remote_error(layout: KVLayout, data: An
             target[data.draw(st.text(max_size=16))] = data.draw(wire_values)
         else:
             target[key] = data.draw(wire_values)
-        body[-1] = packed(doc)
+        body[LAYOUT_AT] = packed(doc)
     edited = PLAIN.encode(msg)[:6] + packed(body)
     check_decode(PLAIN, edited)
     check_decode(SIGNED, sign(edited))

@@ -147,9 +147,10 @@ def test_forged_and_missing_macs_are_refused() -> None:
 
 
 def test_oversized_frames_are_refused_before_parsing() -> None:
-    codec = Codec(limits=CodecLimits(max_frame_bytes=1 << 21))
+    limits = CodecLimits()
+    codec = Codec(limits=limits)
     with pytest.raises(RemoteProtocolError, match="exceeds"):
-        codec.decode(b"KVP\x01\x03\x00" + b"\x00" * (1 << 21))
+        codec.decode(b"KVP\x01\x03\x00" + b"\x00" * limits.max_frame_bytes)
 
 
 def test_incompatible_layout_fails_on_both_sides() -> None:

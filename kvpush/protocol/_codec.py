@@ -121,7 +121,7 @@ class CodecLimits:
     (checked here), so a message that passes validation always encodes.
     """
 
-    max_frame_bytes: int = 1 << 21
+    max_frame_bytes: int = 1 << 22
     #: Block ids per frame, over all KV groups (4 bytes each on the wire).
     max_block_ids: int = 1 << 18
     #: Exclusive bound on TP ranks, PP stages and consumer ranks; TP/PP sizes <= it.
@@ -134,6 +134,8 @@ class CodecLimits:
     max_kv_groups: int = 64
     #: The KV layout a hello carries (a nested msgpack document).
     max_layout_bytes: int = 1 << 20
+    #: All per-rank data-plane descriptions of a hello together.
+    max_ranks_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         caps: dict[str, int] = {
@@ -159,7 +161,8 @@ class CodecLimits:
         blocks = 2 * text + 5 * self.max_kv_groups + 4 * self.max_block_ids
         fingerprint = text + self.max_fingerprint_entries * (1 + 2 * text)
         fixed = _HEADER + _MAC_BYTES + 128  # headers, ints, floats, enum names
-        hello = fingerprint + self.max_layout_bytes + 5
+        ranks = 5 + self.max_ranks * 5 + self.max_ranks_bytes
+        hello = fingerprint + self.max_layout_bytes + 5 + ranks
         return fixed + max(blocks, hello, text + detail)
 
 
@@ -210,13 +213,15 @@ class Codec:
         self._by_code = {code: (cls, self._schemas[cls]) for cls, code in TYPE_CODES.items()}
         self._notice = dict(self._schemas[WriteFailed])
         # A valid body holds the message array, one of blocks/fingerprint/source,
-        # the fingerprint entries and modes: cap arrays, so junk cannot allocate.
-        self._max_lists = lim.max_fingerprint_entries + 4
+        # the fingerprint entries, modes and ranks: cap arrays, so junk cannot allocate.
+        self._max_lists = lim.max_fingerprint_entries + 5
         widest = max(len(s) for s in self._schemas.values())
         self._unpack_limits = {
             "max_str_len": max(lim.max_id_len, lim.max_detail_len),
-            "max_bin_len": max(4 * lim.max_block_ids, lim.max_layout_bytes),
-            "max_array_len": max(widest, lim.max_kv_groups, lim.max_fingerprint_entries),
+            "max_bin_len": max(4 * lim.max_block_ids, lim.max_layout_bytes, lim.max_ranks_bytes),
+            "max_array_len": max(
+                widest, lim.max_kv_groups, lim.max_fingerprint_entries, lim.max_ranks
+            ),
             "max_map_len": 0,
             "max_ext_len": 0,
         }

@@ -285,6 +285,30 @@ def _layout_kind(max_bytes: int) -> Kind:
     return enc, dec
 
 
+def _ranks_kind(max_ranks: int, max_bytes: int) -> Kind:
+    """Per-rank opaque blobs: an array of bins, bounded in count and in total."""
+
+    def check(blobs: list[bytes]) -> None:
+        if sum(len(b) for b in blobs) > max_bytes:
+            raise FieldError(f"rank descriptions exceed {max_bytes} bytes in all")
+
+    def enc(v: Any) -> list[bytes]:
+        blobs = list(_seq(v, 0, max_ranks, "ranks"))
+        if any(type(b) is not bytes for b in blobs):
+            raise FieldError("ranks must be bytes")
+        check(blobs)
+        return blobs
+
+    def dec(v: Any) -> tuple[bytes, ...]:
+        blobs = _wire_list(v, 0, max_ranks, "ranks")
+        if any(type(b) is not bytes for b in blobs):
+            raise FieldError("ranks must be bins")
+        check(blobs)
+        return tuple(blobs)
+
+    return enc, dec
+
+
 def _modes_kind() -> Kind:
     enc_one, dec_one = _enum_kind(Mode)
 
@@ -352,6 +376,7 @@ def schemas(lim: CodecLimits) -> dict[type[Any], Schema]:
             ("modes", _modes_kind()),
             ("version", _int_kind(0, 0xFFFF)),
             ("layout", _layout_kind(lim.max_layout_bytes)),
+            ("ranks", _ranks_kind(lim.max_ranks, lim.max_ranks_bytes)),
         ),
         HelloReject: (("field", _text_kind(lim.max_id_len, nonempty=False)), ("detail", detail)),
         Register: (

@@ -51,6 +51,8 @@ class Identity:
     modes: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL)
     #: This rank group's KV memory; its fingerprint joins ``fingerprint``.
     layout: KVLayout | None = None
+    #: Opaque per-rank data-plane descriptions the runtime fills in.
+    ranks: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if type(self.instance) is not int or not 0 <= self.instance < 1 << 64:
@@ -93,6 +95,7 @@ class Identity:
             self.fingerprint + (self.layout.fingerprint() if self.layout else ()),
             self.modes,
             layout=self.layout,
+            ranks=self.ranks,
         )
 
 

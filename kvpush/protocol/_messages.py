@@ -60,6 +60,10 @@ class Hello:
     #: Where this side's KV lives (regions, block geometry). A registration may
     #: only name blocks inside it; the planner maps transfers with it.
     layout: KVLayout | None = None
+    #: Opaque per-rank data-plane descriptions (transport metadata and that
+    #: rank's own layout), in rank order; the core carries them, the runtime
+    #: reads them. Keeps transport metadata inside our handshake.
+    ranks: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from kvpush.protocol import (
     Codec,
     Completion,
-    KvpushError,
     KVLayout,
+    KvpushError,
     Role,
+    Route,
     Source,
     StartRead,
     StartWrite,
@@ -85,7 +86,7 @@ class DataPlane:
         ranks: Mapping[int, Rank],
         tp: int,
         codec: Codec,
-        on_results: Callable[[list[Result]], None],
+        on_results: Callable[[list[Result]], None] | None = None,
         *,
         idle_sleep: float = 0.0005,
     ) -> None:
@@ -93,12 +94,12 @@ class DataPlane:
         self.ranks = dict(ranks)
         self.tp = tp
         self.codec = codec
-        self._on_results = on_results
+        self._on_results: Callable[[list[Result]], None] = on_results or _unbound
         self._idle_sleep = idle_sleep
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._peers: dict[str, PeerRanks] = {}
         self._agents: dict[tuple[str, int], str] = {}
-        self._planners: dict[tuple[str, int, int], TransferPlanner] = {}
+        self._planners: dict[tuple[str, Route], TransferPlanner] = {}
         self._posted: dict[tuple[int, int], StartWrite | StartRead] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -115,6 +116,10 @@ class DataPlane:
             rank.transport.register(rank.layout)
         self._thread = threading.Thread(target=self._run, name="kvpush-dataplane", daemon=True)
         self._thread.start()
+
+    def bind(self, on_results: Callable[[list[Result]], None]) -> None:
+        """Where results go (called from the data-plane thread); before start()."""
+        self._on_results = on_results
 
     def submit(self, action: StartWrite | StartRead) -> None:
         """Queue an action; O(1), never blocks."""
@@ -208,14 +213,18 @@ class DataPlane:
         if rank is None or peer is None or remote_index not in peer.ranks:
             return f"no rank to serve {route}"
         try:
-            planner = self._planner(action.peer, local_index, remote_index)
+            planner = self._planner(action.peer, route, local_index, remote_index)
             agent = self._agents[(action.peer, remote_index)]
             if isinstance(action, StartWrite):
-                plan = planner.plan(action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens)
+                plan = planner.plan(
+                    action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens
+                )
                 notice = self.codec.encode_notice(action.notice)
                 handle = rank.transport.write(agent, plan.src, plan.dst, notice)
             else:
-                plan = planner.plan(action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens)
+                plan = planner.plan(
+                    action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens
+                )
                 handle = rank.transport.read(agent, plan.dst, plan.src)
         except KvpushError as exc:
             return f"not posted: {exc}"
@@ -230,18 +239,17 @@ class DataPlane:
         tp = self._peers[peer].tp if peer in self._peers else 1
         return consumer_rank, source.pp * tp + source.tp
 
-    def _planner(self, peer: str, local: int, remote: int) -> TransferPlanner:
-        key = (peer, local, remote)
+    def _planner(self, peer: str, route: Route, local: int, remote: int) -> TransferPlanner:
+        key = (peer, route)
         planner = self._planners.get(key)
         if planner is None:
             mine = self.ranks[local].layout
             theirs = self._peers[peer].ranks[remote][1]
             producer, consumer = (mine, theirs) if self.role is Role.PRODUCER else (theirs, mine)
-            planner = self._route_planner(producer, consumer, peer, local, remote)
+            planner = TransferPlanner(producer, consumer, route)
             self._planners[key] = planner
         return planner
 
-    def _route_planner(
-        self, producer: KVLayout, consumer: KVLayout, peer: str, local: int, remote: int
-    ) -> TransferPlanner:
-        raise NotImplementedError
+
+def _unbound(results: list[Result]) -> None:
+    raise KvpushError("DataPlane.bind() was not called")

@@ -17,6 +17,9 @@ Two building blocks of :class:`~kvpush.runtime.ShmTransport`:
   its buffer are alive, also from ``__del__``; a :class:`Segment` whose views
   are still held leaves the unmapping to the garbage collector instead.
 
+* :func:`check_rows` / :func:`copy_rows` / :func:`crc_rows`: descriptor rows
+  bounds-checked against a segment, copied, and checksummed.
+
 * :class:`RingWriter` / :class:`RingReader`: a single-producer single-consumer
   byte ring in its own segment, owned (created and unlinked) by the writer.
   Records are ``(sequence number, payload, CRC32 and destination rows)``.
@@ -37,6 +40,7 @@ receiver's CRC check (``verify=True``) is how such a violation would show.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import mmap
 import os
@@ -51,7 +55,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ._transport import TransportError
+from ._transport import Descriptors, TransportError
 
 __all__ = (
     "MAX_PAYLOAD",
@@ -60,6 +64,8 @@ __all__ = (
     "RingReader",
     "RingWriter",
     "Segment",
+    "check_rows",
+    "copy_rows",
     "crc_rows",
 )
 
@@ -173,10 +179,8 @@ class Segment:
         if not self.owner or self._unlinked:
             return
         self._unlinked = True
-        try:
+        with contextlib.suppress(FileNotFoundError):  # someone else removed it already
             _posixshmem().shm_unlink("/" + self.name)
-        except FileNotFoundError:  # someone else removed it already
-            pass
         resource_tracker.unregister("/" + self.name, "shared_memory")
 
     def close(self) -> None:
@@ -184,10 +188,8 @@ class Segment:
         the mapping stays until they are collected (never a dangling view)."""
         mapping, self._map, self._array = self._map, None, None
         if mapping is not None:
-            try:
+            with contextlib.suppress(BufferError):  # views held: the GC unmaps with the last
                 mapping.close()
-            except BufferError:  # views still held: the GC unmaps with the last one
-                pass
 
 
 def crc_rows(memory: U8, rows: Sequence[Sequence[int]]) -> int:
@@ -195,8 +197,37 @@ def crc_rows(memory: U8, rows: Sequence[Sequence[int]]) -> int:
     crc = 0
     for row in rows:
         off, n = row[0], row[1]
-        crc = zlib.crc32(memory[off : off + n], crc)
+        crc = zlib.crc32(memory[off : off + n].data, crc)
     return crc
+
+
+def check_rows(desc: Descriptors, what: str, segment: Segment) -> U64:
+    """``desc`` as ``(N, 3)`` uint64 rows inside ``segment`` (else TransportError)."""
+    if not isinstance(desc, np.ndarray) or desc.ndim != 2 or desc.shape[1] != 3:
+        raise TransportError(f"{what} must be an (N, 3) array of (offset, length, device)")
+    if desc.dtype.kind not in "iu" or (desc.dtype.kind == "i" and bool((desc < 0).any())):
+        raise TransportError(f"{what} must hold non-negative integers")
+    rows: U64 = desc.astype(np.uint64, copy=False)
+    if not rows.shape[0]:
+        return rows
+    if bool((rows[:, 2] != 0).any()):
+        raise TransportError(f"{what}: shared memory is device 0, got another device id")
+    off, n, limit = rows[:, 0], rows[:, 1], segment.size
+    bad = (off > limit) | (n > limit - np.minimum(off, limit))
+    if bool(bad.any()):
+        i = int(np.argmax(bad))
+        raise TransportError(
+            f"{what} row {i} [{int(off[i])}, +{int(n[i])}) is outside the {limit}-byte "
+            f"segment {segment.name!r}"
+        )
+    return rows
+
+
+def copy_rows(dst: U8, dst_rows: U64, src: U8, src_rows: U64) -> None:
+    """One slice copy per row (the planner already merged adjacent rows)."""
+    for (s, n, _), (d, _, _) in zip(src_rows.tolist(), dst_rows.tolist(), strict=True):
+        if n:
+            dst[d : d + n] = src[s : s + n]
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +249,7 @@ class _Ring:
     def __init__(self, segment: Segment, capacity: int) -> None:
         self.segment, self.capacity = segment, capacity
         arr = segment.array
-        self._idx: U64 = arr[: _HEADER].view(np.uint64)
+        self._idx: U64 = arr[:_HEADER].view(np.uint64)
         self._data: U8 = arr[_HEADER : _HEADER + capacity]
 
     @property
@@ -304,7 +335,7 @@ class RingReader(_Ring):
             return None
         arr = segment.array
         ok = segment.size > _HEADER and bytes(arr[:8]) == _RING_MAGIC
-        capacity = int(arr[: _HEADER].view(np.uint64)[_OFF_CAPACITY // 8]) if ok else 0
+        capacity = int(arr[:_HEADER].view(np.uint64)[_OFF_CAPACITY // 8]) if ok else 0
         if not ok or capacity != segment.size - _HEADER:
             del arr
             segment.close()

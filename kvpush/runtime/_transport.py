@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
-from kvpush.protocol import KvpushError, KVLayout
+from kvpush.protocol import KVLayout, KvpushError
 
 __all__ = ("Completed", "Descriptors", "Notice", "Transport", "TransportError")
 

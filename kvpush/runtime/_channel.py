@@ -1,0 +1,1072 @@
+"""The control channel: codec frames between named endpoints over TCP (anyio).
+
+One :class:`ControlChannel` per endpoint process. It keeps at most one
+connection per peer and uses it both ways, whoever dialed it. Peers we must
+reach first get a route (:meth:`ControlChannel.add_route`); the channel dials
+them, and redials with backoff when the connection drops. Everything that
+arrives comes out of one bounded stream of events (:meth:`~ControlChannel.events`):
+:class:`Received`, :class:`PeerConnected`, :class:`PeerLost` and :class:`Garbage`.
+
+Sending. Each peer has a bounded queue (``max_queue`` frames and
+``max_queue_bytes``) drained by one writer task. :meth:`~ControlChannel.send`
+waits up to ``send_timeout`` for room, then raises :class:`ChannelBusy`;
+:meth:`~ControlChannel.send_nowait` raises it at once. A frame that waited in
+the queue longer than ``max_age`` (the protocol's ``Timing.max_transit``) is
+dropped and counted, never sent late; sockets also get ``TCP_USER_TIMEOUT =
+max_age`` where the platform has it, so bytes the peer does not acknowledge in
+time kill the connection instead of arriving late. A frame handed to a
+connection that then fails is lost (counted), not retried: the protocol
+survives lost frames, and a retry could arrive late.
+
+Peer loss. A peer is *up* from :class:`PeerConnected` until :class:`PeerLost`,
+which comes exactly once per loss: when its connection dropped and no new one
+was established within ``peer_lost_after`` seconds (routed peers are redialed
+meanwhile; unrouted ones must dial back), or at once when the peer reconnects
+as a new instance (a restart). The frames still queued for it are discarded
+then; an unrouted peer is forgotten (sends raise :class:`PeerUnreachable`).
+
+Garbage. A frame the codec refuses (malformed, forged, wrong secret) is counted,
+logged and reported as :class:`Garbage`; the connection stays. A length prefix
+over the codec's ``max_frame_bytes`` (or a bad preamble) drops the connection;
+other peers never notice.
+
+Shutdown. Leaving the ``async with`` block (or :meth:`~ControlChannel.aclose`)
+fails every waiting :meth:`~ControlChannel.send` with :class:`ChannelClosed`,
+discards queued frames (counted), closes every socket and cancels every task;
+it never waits on the network.
+
+Connections open with the preamble described in :mod:`._framing`. When both
+sides dial at once, the acceptor with the smaller name refuses the other's dial
+while its own is in flight (so the connection dialed by the smaller name wins
+on both sides); a dial that arrives while a connection is up replaces it only
+if the dialer names that connection as the one it replaces (it saw it die), or
+comes from a new instance of the peer. The preamble is not authenticated: with
+a codec secret a forger cannot inject messages, but can displace a connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import secrets
+import socket
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import Final
+
+import anyio
+import anyio.abc
+from anyio.abc import SocketAttribute
+from anyio.streams.buffered import BufferedByteReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from kvpush.protocol import (
+    MAX_ID_LEN,
+    Codec,
+    ConfigError,
+    ControlMessage,
+    KvpushError,
+    RemoteProtocolError,
+    Timing,
+)
+
+from ._framing import (
+    MAX_PREAMBLE_BYTES,
+    Ack,
+    FramingError,
+    Preamble,
+    encode_frame,
+    read_frame,
+    write_frame,
+)
+
+__all__ = (
+    "Backoff",
+    "ChannelBusy",
+    "ChannelClosed",
+    "ChannelEvent",
+    "ChannelStatistics",
+    "ControlChannel",
+    "Garbage",
+    "PeerConnected",
+    "PeerLost",
+    "PeerStatistics",
+    "PeerUnreachable",
+    "Received",
+)
+
+log = logging.getLogger("kvpush.runtime.channel")
+
+#: Connections still in their preamble at once; more are closed unread.
+_MAX_HANDSHAKES: Final = 64
+#: A writer joins queued frames into one send of about this many bytes.
+_BATCH_BYTES: Final = 256 * 1024
+#: How long aclose() waits for the channel's tasks to finish (they are cancelled).
+_CLOSE_GRACE: Final = 2.0
+
+_NET_ERRORS = (
+    OSError,  # includes TimeoutError
+    anyio.EndOfStream,
+    anyio.IncompleteRead,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+)
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+class ChannelClosed(KvpushError):
+    """The channel is not open (not entered yet, or closed): nothing more is sent."""
+
+
+class ChannelBusy(KvpushError):
+    """The peer's send queue is full (``send_nowait``) or stayed full for
+    ``send_timeout`` seconds (``send``)."""
+
+
+class PeerUnreachable(KvpushError):
+    """No connection to the peer and no route to dial it (or it was lost)."""
+
+
+# --- configuration, events, statistics ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Delays between dials: ``initial * factor**n`` capped at ``maximum``, each
+    scaled by a uniform factor in ``[1 - jitter, 1 + jitter]``."""
+
+    initial: float = 0.05
+    maximum: float = 2.0
+    factor: float = 2.0
+    jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        _positive("backoff initial", self.initial)
+        _positive("backoff maximum", self.maximum)
+        if self.maximum < self.initial:
+            raise ConfigError("backoff maximum must be >= initial")
+        if not isinstance(self.factor, (int, float)) or not 1 <= self.factor < math.inf:
+            raise ConfigError(f"backoff factor must be finite and >= 1, got {self.factor!r}")
+        if not isinstance(self.jitter, (int, float)) or not 0 <= self.jitter < 1:
+            raise ConfigError(f"backoff jitter must be in [0, 1), got {self.jitter!r}")
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """The pause after failed attempt number ``attempt`` (0 for the first)."""
+        base = min(self.maximum, self.initial * self.factor ** min(attempt, 64))
+        return base * (1.0 + self.jitter * rng.uniform(-1.0, 1.0))
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """``peer`` sent ``message``."""
+
+    peer: str
+    message: ControlMessage
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConnected:
+    """A connection to ``peer`` is up, and the peer was not (first contact, after
+    a :class:`PeerLost`, or a restarted peer). Not sent for a reconnect to the
+    same instance within ``peer_lost_after``."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLost:
+    """``peer`` is gone (feed the core ``peer_lost``); once per loss."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Garbage:
+    """``peer`` sent a frame that was refused (counted, not delivered)."""
+
+    peer: str
+    error: RemoteProtocolError
+
+
+ChannelEvent = Received | PeerConnected | PeerLost | Garbage
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStatistics:
+    """One peer's counters (frames, unless named otherwise)."""
+
+    #: A connection is established now.
+    connected: bool
+    #: Between PeerConnected and PeerLost.
+    up: bool
+    route: tuple[str, int] | None
+    queued: int
+    queued_bytes: int
+    sent: int
+    received: int
+    #: Older than ``max_age`` in the queue: dropped, never sent.
+    dropped_old: int
+    #: Queued when the peer was lost or restarted (or the channel closed).
+    discarded: int
+    #: Handed to a connection whose write then failed.
+    write_failures: int
+    #: Refused frames (the codec's errors and framing errors).
+    garbage: int
+    #: Connections established, and how many of them replaced an earlier one.
+    connects: int
+    reconnects: int
+    #: Dials that failed (refused, timed out, wrong peer, duplicate).
+    connect_failures: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelStatistics:
+    """A snapshot of :meth:`ControlChannel.statistics`."""
+
+    name: str
+    open: bool
+    ports: tuple[int, ...]
+    peers: Mapping[str, PeerStatistics]
+    #: Connections dropped before they named a peer (bad preamble, timeout, excess).
+    handshake_failures: int
+    #: Garbage frames from every peer, including forgotten ones.
+    garbage: int
+    #: Frames discarded unsent with their peer forgotten, or at close.
+    discarded: int
+    events_queued: int
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def _check_name(what: str, name: object) -> str:
+    if not isinstance(name, str) or not name or len(name.encode()) > MAX_ID_LEN:
+        raise ConfigError(f"{what} must be a non-empty str of at most {MAX_ID_LEN} bytes")
+    return name
+
+
+# --- internals ------------------------------------------------------------------------
+
+
+class _Signal:
+    """Wake-ups without a level: ``waiter()`` returns an event set by the next ``fire()``.
+    Take the waiter before checking the condition, then wait: nothing is missed."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None
+
+    def fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    def waiter(self) -> anyio.Event:
+        if self._event is None:
+            self._event = anyio.Event()
+        return self._event
+
+
+class _Outbox:
+    """A peer's bounded FIFO of (enqueue time, frame)."""
+
+    __slots__ = (
+        "_closed",
+        "_items",
+        "_max_bytes",
+        "_max_items",
+        "discarded",
+        "dropped_old",
+        "nbytes",
+        "space",
+    )
+
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        self._items: deque[tuple[float, bytes]] = deque()
+        self._max_items = max_items
+        self._max_bytes = max_bytes
+        self._closed: tuple[type[KvpushError], str] | None = None
+        self.nbytes = 0
+        self.dropped_old = 0
+        self.discarded = 0
+        self.space = _Signal()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _fits(self, n: int) -> bool:
+        if not self._items:
+            return True
+        return len(self._items) < self._max_items and self.nbytes + n <= self._max_bytes
+
+    def put_nowait(self, frame: bytes, now: float, max_age: float) -> None:
+        if self._closed is not None:
+            cls, why = self._closed
+            raise cls(why)
+        if not self._fits(len(frame)):
+            self.expire(now, max_age)
+            if not self._fits(len(frame)):
+                raise ChannelBusy(f"send queue full ({len(self._items)} frames, {self.nbytes} B)")
+        self._items.append((now, frame))
+        self.nbytes += len(frame)
+
+    def next_expiry(self, max_age: float) -> float:
+        return self._items[0][0] + max_age if self._items else math.inf
+
+    def _pop(self) -> bytes:
+        _, frame = self._items.popleft()
+        self.nbytes -= len(frame)
+        return frame
+
+    def expire(self, now: float, max_age: float) -> None:
+        n = 0
+        while self._items and now - self._items[0][0] > max_age:
+            self._pop()
+            n += 1
+        if n:
+            self.dropped_old += n
+            self.space.fire()
+
+    def take(self, now: float, max_age: float) -> list[bytes]:
+        """Drop expired frames, then pop a batch (at least one frame if any)."""
+        self.expire(now, max_age)
+        out: list[bytes] = []
+        size = 0
+        while self._items and (not out or size + len(self._items[0][1]) <= _BATCH_BYTES):
+            frame = self._pop()
+            out.append(frame)
+            size += len(frame)
+        if out:
+            self.space.fire()
+        return out
+
+    def clear(self) -> int:
+        n = len(self._items)
+        self._items.clear()
+        self.nbytes = 0
+        self.discarded += n
+        self.space.fire()
+        return n
+
+    def close(self, cls: type[KvpushError], why: str) -> int:
+        """Refuse every later put (waiters wake and raise ``cls(why)``)."""
+        if self._closed is None:
+            self._closed = (cls, why)
+        return self.clear()
+
+
+class _Conn:
+    """One established (or being acknowledged) connection to a peer."""
+
+    __slots__ = ("closed", "conn_id", "instance", "lock", "receiver", "scope", "stream")
+
+    def __init__(
+        self,
+        stream: anyio.abc.SocketStream,
+        receiver: BufferedByteReceiveStream,
+        conn_id: int,
+        instance: int,
+    ) -> None:
+        self.stream = stream
+        self.receiver = receiver
+        self.conn_id = conn_id
+        self.instance = instance
+        self.closed = False
+        #: Held by whoever writes (the ack, then the writer's batches).
+        self.lock = anyio.Lock()
+        #: Cancels the reader when the connection is dropped.
+        self.scope = anyio.CancelScope()
+
+
+class _Peer:
+    """Everything known about one peer."""
+
+    __slots__ = (
+        "active",
+        "conn_changed",
+        "connect_failures",
+        "connects",
+        "down_reason",
+        "forgotten",
+        "garbage",
+        "gen",
+        "instance",
+        "last_conn_id",
+        "loss_armed",
+        "loss_scope",
+        "name",
+        "outbox",
+        "pending",
+        "received",
+        "route",
+        "sent",
+        "task_scope",
+        "up",
+        "wake",
+        "write_failures",
+    )
+
+    def __init__(self, name: str, route: tuple[str, int] | None, outbox: _Outbox) -> None:
+        self.name = name
+        self.route = route
+        self.outbox = outbox
+        self.active: _Conn | None = None
+        #: The conn id of our dial in flight, if any.
+        self.pending: int | None = None
+        self.instance: int | None = None
+        self.last_conn_id = 0
+        self.up = False
+        self.down_reason = ""
+        #: Bumped on every install: a loss timer of an older generation is void.
+        self.gen = 0
+        self.loss_armed = False
+        self.loss_scope: anyio.CancelScope | None = None
+        self.task_scope: anyio.CancelScope | None = None
+        self.forgotten = False
+        #: Anything changed: data queued, connection, route.
+        self.wake = _Signal()
+        #: The connection or the route changed.
+        self.conn_changed = _Signal()
+        self.sent = self.received = self.garbage = self.write_failures = 0
+        self.connects = self.connect_failures = 0
+
+    def notify_conn(self) -> None:
+        self.conn_changed.fire()
+        self.wake.fire()
+
+
+_NEW, _OPEN, _CLOSED = "new", "open", "closed"
+
+
+# --- the channel ----------------------------------------------------------------------
+
+
+class ControlChannel:
+    """Control frames between this endpoint (``name``) and its peers over TCP.
+
+    Use as ``async with ControlChannel(name, codec) as ch:``; inside, call
+    :meth:`listen`, :meth:`add_route`, :meth:`send` / :meth:`send_nowait` and
+    consume :meth:`events`. ``max_age`` should be the endpoint's
+    ``Timing.max_transit``; ``idle_timeout`` (off by default) drops a connection
+    that received nothing for that long (pair it with periodic Heartbeats).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        codec: Codec,
+        *,
+        max_queue: int = 1024,
+        max_queue_bytes: int = 64 << 20,
+        send_timeout: float = 5.0,
+        connect_timeout: float = 2.0,
+        write_timeout: float = 10.0,
+        backoff: Backoff | None = None,
+        peer_lost_after: float = 5.0,
+        max_age: float = Timing().max_transit,
+        max_events: int = 1024,
+        idle_timeout: float | None = None,
+    ) -> None:
+        self._name = _check_name("name", name)
+        if not isinstance(codec, Codec):
+            raise ConfigError(f"codec must be a Codec, got {type(codec).__name__}")
+        for what, n in (("max_queue", max_queue), ("max_queue_bytes", max_queue_bytes)):
+            if type(n) is not int or n < 1:
+                raise ConfigError(f"{what} must be a positive int, got {n!r}")
+        if type(max_events) is not int or max_events < 1:
+            raise ConfigError(f"max_events must be a positive int, got {max_events!r}")
+        for what, v in (
+            ("send_timeout", send_timeout),
+            ("connect_timeout", connect_timeout),
+            ("write_timeout", write_timeout),
+            ("peer_lost_after", peer_lost_after),
+            ("max_age", max_age),
+        ):
+            _positive(what, v)
+        if idle_timeout is not None:
+            _positive("idle_timeout", idle_timeout)
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise ConfigError(f"backoff must be a Backoff, got {type(backoff).__name__}")
+        self._codec = codec
+        self._max_queue = max_queue
+        self._max_queue_bytes = max_queue_bytes
+        self._send_timeout = float(send_timeout)
+        self._connect_timeout = float(connect_timeout)
+        self._write_timeout = float(write_timeout)
+        self._backoff = Backoff() if backoff is None else backoff
+        self._peer_lost_after = float(peer_lost_after)
+        self._max_age = float(max_age)
+        self._max_events = max_events
+        self._idle_timeout = idle_timeout
+        self._instance = secrets.randbits(64)
+        self._rng = random.Random(secrets.randbits(64))
+        self._state = _NEW
+        self._peers: dict[str, _Peer] = {}
+        self._outer: anyio.abc.TaskGroup | None = None
+        self._inner: anyio.abc.TaskGroup | None = None
+        self._stopped: anyio.Event | None = None
+        self._events_send: MemoryObjectSendStream[ChannelEvent] | None = None
+        self._events_recv: MemoryObjectReceiveStream[ChannelEvent] | None = None
+        self._listeners: list[anyio.abc.Listener[anyio.abc.SocketStream]] = []
+        self._ports: list[int] = []
+        self._sockets: set[anyio.abc.SocketStream] = set()
+        self._handshakes = 0
+        self._handshake_failures = 0
+        self._garbage = 0
+        self._discarded = 0
+
+    def __repr__(self) -> str:
+        return f"ControlChannel({self._name!r}, {self._state}, peers={sorted(self._peers)})"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def __aenter__(self) -> ControlChannel:
+        if self._state is not _NEW:
+            raise ChannelClosed("a ControlChannel can be entered only once")
+        send, recv = anyio.create_memory_object_stream[ChannelEvent](self._max_events)
+        self._events_send, self._events_recv = send, recv
+        self._stopped = anyio.Event()
+        outer = anyio.create_task_group()
+        await outer.__aenter__()
+        self._outer = outer
+        try:
+            await outer.start(self._root)
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        self._state = _OPEN
+        for p in self._peers.values():
+            self._spawn_peer(p)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.aclose()
+        finally:
+            outer, self._outer = self._outer, None
+            try:
+                if outer is not None:
+                    # Our tasks live in an inner group (cancelled by aclose), so the
+                    # caller's exception is not ours to wrap: it propagates as is.
+                    await outer.__aexit__(None, None, None)
+            finally:
+                if self._events_recv is not None:
+                    self._events_recv.close()
+
+    async def _root(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                self._inner = tg
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            if self._stopped is not None:
+                self._stopped.set()
+
+    async def aclose(self) -> None:
+        """Close now: waiting senders get :class:`ChannelClosed`, queued frames are
+        discarded, sockets closed, tasks cancelled. Idempotent; never hangs."""
+        if self._state is _CLOSED:
+            return
+        self._state = _CLOSED
+        with anyio.CancelScope(shield=True):
+            for p in list(self._peers.values()):
+                n = p.outbox.close(ChannelClosed, "the channel is closed")
+                self._discarded += n
+                if n:
+                    log.info("%s: discarded %d frame(s) to %s at close", self._name, n, p.name)
+            if self._inner is not None:
+                self._inner.cancel_scope.cancel()
+            for listener in self._listeners:
+                await anyio.aclose_forcefully(listener)
+            for stream in list(self._sockets):
+                await anyio.aclose_forcefully(stream)
+            self._sockets.clear()
+            if self._events_send is not None:
+                self._events_send.close()
+            if self._stopped is not None:
+                with anyio.move_on_after(_CLOSE_GRACE):
+                    await self._stopped.wait()
+
+    def _tg(self) -> anyio.abc.TaskGroup:
+        if self._state is not _OPEN or self._inner is None:
+            raise ChannelClosed("the channel is not open")
+        return self._inner
+
+    # --- public API -------------------------------------------------------------------
+
+    def events(self) -> MemoryObjectReceiveStream[ChannelEvent]:
+        """The stream of events (bounded: ``max_events``). While it is full, readers
+        stop reading their sockets (TCP backpressure). It ends after close."""
+        if self._events_recv is None:
+            raise ChannelClosed("the channel has not been entered")
+        return self._events_recv
+
+    async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Accept peers on ``host:port`` (0: any free port); returns the port."""
+        self._tg()
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+        if self._state is not _OPEN:
+            await anyio.aclose_forcefully(listener)
+            raise ChannelClosed("the channel closed while it started listening")
+        self._listeners.append(listener)
+        actual: int = listener.extra(SocketAttribute.local_port)
+        self._ports.append(actual)
+        for sub in listener.listeners:
+            if isinstance(sub, anyio.abc.SocketListener):
+                self._tg().start_soon(self._accept_loop, sub)
+            else:  # pragma: no cover - TCP listeners are socket listeners
+                self._tg().start_soon(sub.serve, self._on_accept, self._tg())
+        log.info("%s: listening on %s:%d", self._name, host, actual)
+        return actual
+
+    def add_route(self, peer: str, host: str, port: int) -> None:
+        """Dial ``peer`` at ``host:port`` (now, and whenever its connection drops)."""
+        _check_name("peer", peer)
+        if peer == self._name:
+            raise ConfigError("a channel cannot route to itself")
+        if not isinstance(host, str) or not host:
+            raise ConfigError("host must be a non-empty str")
+        if type(port) is not int or not 0 < port < 1 << 16:
+            raise ConfigError(f"port must be an int in [1, 65535], got {port!r}")
+        if self._state is _CLOSED:
+            raise ChannelClosed("the channel is closed")
+        p = self._peers.get(peer)
+        if p is None:
+            p = self._new_peer(peer, (host, port))
+        else:
+            p.route = (host, port)
+            p.notify_conn()
+
+    def send_nowait(self, peer: str, message: ControlMessage) -> None:
+        """Queue ``message`` for ``peer`` or raise: :class:`ChannelBusy` (queue full),
+        :class:`PeerUnreachable`, :class:`ChannelClosed`, or the codec's
+        :class:`LocalProtocolError` (an invalid message)."""
+        frame = self._codec.encode(message)
+        p = self._sendable(peer)
+        p.outbox.put_nowait(frame, anyio.current_time(), self._max_age)
+        p.wake.fire()
+
+    async def send(self, peer: str, message: ControlMessage) -> None:
+        """Queue ``message`` for ``peer``, waiting up to ``send_timeout`` for room;
+        raises like :meth:`send_nowait` (:class:`ChannelBusy` after the wait)."""
+        frame = self._codec.encode(message)
+        p = self._sendable(peer)
+        deadline = anyio.current_time() + self._send_timeout
+        while True:
+            now = anyio.current_time()
+            space = p.outbox.space.waiter()
+            try:
+                p.outbox.put_nowait(frame, now, self._max_age)
+            except ChannelBusy:
+                if now >= deadline:
+                    raise ChannelBusy(
+                        f"send queue to {peer!r} stayed full for {self._send_timeout} s"
+                    ) from None
+            else:
+                p.wake.fire()
+                return
+            # Wake when room is made, or when the oldest frame expires.
+            wait = min(deadline, p.outbox.next_expiry(self._max_age)) - now
+            with anyio.move_on_after(max(wait, 0.0) + 0.001):
+                await space.wait()
+
+    def statistics(self) -> ChannelStatistics:
+        """A frozen snapshot of the counters."""
+        peers = {
+            p.name: PeerStatistics(
+                connected=p.active is not None,
+                up=p.up,
+                route=p.route,
+                queued=len(p.outbox),
+                queued_bytes=p.outbox.nbytes,
+                sent=p.sent,
+                received=p.received,
+                dropped_old=p.outbox.dropped_old,
+                discarded=p.outbox.discarded,
+                write_failures=p.write_failures,
+                garbage=p.garbage,
+                connects=p.connects,
+                reconnects=max(0, p.connects - 1),
+                connect_failures=p.connect_failures,
+            )
+            for p in self._peers.values()
+        }
+        events = 0
+        if self._events_send is not None:
+            events = self._events_send.statistics().current_buffer_used
+        return ChannelStatistics(
+            name=self._name,
+            open=self._state is _OPEN,
+            ports=tuple(self._ports),
+            peers=MappingProxyType(peers),
+            handshake_failures=self._handshake_failures,
+            garbage=self._garbage,
+            discarded=self._discarded,
+            events_queued=events,
+        )
+
+    # --- peers ------------------------------------------------------------------------
+
+    def _sendable(self, peer: str) -> _Peer:
+        if self._state is not _OPEN:
+            raise ChannelClosed("the channel is not open")
+        p = self._peers.get(peer)
+        if p is None:
+            raise PeerUnreachable(f"no connection to {peer!r} and no route to it")
+        return p
+
+    def _new_peer(self, name: str, route: tuple[str, int] | None) -> _Peer:
+        p = _Peer(name, route, _Outbox(self._max_queue, self._max_queue_bytes))
+        self._peers[name] = p
+        if self._state is _OPEN:
+            self._spawn_peer(p)
+        return p
+
+    def _spawn_peer(self, p: _Peer) -> None:
+        self._tg().start_soon(self._run_peer, p, name=f"kvpush channel {self._name}->{p.name}")
+
+    def _forget(self, p: _Peer) -> None:
+        p.forgotten = True
+        if self._peers.get(p.name) is p:
+            del self._peers[p.name]
+        self._discarded += p.outbox.close(PeerUnreachable, f"peer {p.name!r} was lost")
+        if p.task_scope is not None:
+            p.task_scope.cancel()
+        p.notify_conn()
+
+    def _lose(self, p: _Peer, reason: str, *, forget: bool) -> PeerLost:
+        p.up = False
+        n = p.outbox.clear()
+        log.warning("%s: peer %s lost (%s); %d frame(s) discarded", self._name, p.name, reason, n)
+        if forget and p.route is None:
+            self._forget(p)
+        return PeerLost(p.name, reason)
+
+    def _install(self, p: _Peer, conn: _Conn) -> list[ChannelEvent]:
+        """Make ``conn`` the peer's connection (closing any other); the events to emit."""
+        events: list[ChannelEvent] = []
+        old = p.active
+        p.active = conn
+        if old is not None:
+            self._drop(p, old, "replaced")
+        if p.up and p.instance is not None and p.instance != conn.instance:
+            events.append(self._lose(p, "peer restarted", forget=False))
+        p.instance = conn.instance
+        p.last_conn_id = conn.conn_id
+        p.gen += 1
+        p.loss_armed = False
+        if p.loss_scope is not None:
+            p.loss_scope.cancel()
+            p.loss_scope = None
+        p.connects += 1
+        if not p.up:
+            p.up = True
+            events.append(PeerConnected(p.name))
+        log.info("%s: connected to %s (connection %#x)", self._name, p.name, conn.conn_id)
+        p.notify_conn()
+        return events
+
+    def _drop(self, p: _Peer, conn: _Conn, reason: str) -> None:
+        """Close ``conn``; if it was the peer's connection, the peer is down."""
+        if conn.closed:
+            return
+        conn.closed = True
+        conn.scope.cancel()
+        self._close_soon(conn.stream)
+        if p.active is not conn:
+            return
+        p.active = None
+        p.down_reason = reason
+        if self._state is not _OPEN:
+            return
+        log.info("%s: connection to %s dropped: %s", self._name, p.name, reason)
+        p.notify_conn()
+        if p.up and not p.loss_armed:
+            p.loss_armed = True
+            self._tg().start_soon(self._watch_loss, p, p.gen)
+
+    async def _watch_loss(self, p: _Peer, gen: int) -> None:
+        if p.gen != gen:
+            return
+        with anyio.CancelScope() as scope:
+            p.loss_scope = scope
+            await anyio.sleep(self._peer_lost_after)
+        if p.gen != gen or p.loss_scope is not scope:
+            return
+        p.loss_scope = None
+        p.loss_armed = False
+        if p.active is not None or not p.up:
+            return
+        await self._emit(self._lose(p, p.down_reason, forget=True))
+
+    async def _emit(self, event: ChannelEvent) -> None:
+        if self._events_send is None:
+            return
+        try:
+            await self._events_send.send(event)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            log.debug("%s: event dropped (events closed): %r", self._name, event)
+
+    def _close_soon(self, stream: anyio.abc.SocketStream) -> None:
+        if self._state is _OPEN and self._inner is not None:
+            self._inner.start_soon(self._close_now, stream)
+        # Otherwise aclose() closes every socket in self._sockets.
+
+    async def _close_now(self, stream: anyio.abc.SocketStream) -> None:
+        self._sockets.discard(stream)
+        await anyio.aclose_forcefully(stream)
+
+    def _tune(self, stream: anyio.abc.SocketStream) -> None:
+        sock = stream.extra(SocketAttribute.raw_socket, None)
+        if sock is None:  # pragma: no cover - TCP streams have one
+            return
+        opt = getattr(socket, "TCP_USER_TIMEOUT", None)
+        if opt is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, opt, max(1, round(self._max_age * 1000)))
+
+    # --- per-peer task: dial, then drain the queue ------------------------------------
+
+    async def _run_peer(self, p: _Peer) -> None:
+        with anyio.CancelScope() as scope:
+            p.task_scope = scope
+            while not p.forgotten:
+                conn = p.active
+                if conn is not None:
+                    await self._drain(p, conn)
+                elif p.route is not None:
+                    await self._connect(p)
+                else:
+                    changed = p.conn_changed.waiter()
+                    if p.active is None and p.route is None and not p.forgotten:
+                        await changed.wait()
+
+    async def _drain(self, p: _Peer, conn: _Conn) -> None:
+        while p.active is conn:
+            wake = p.wake.waiter()
+            frames = p.outbox.take(anyio.current_time(), self._max_age)
+            if not frames:
+                await wake.wait()
+                continue
+            payload = b"".join(encode_frame(f) for f in frames)
+            try:
+                with anyio.fail_after(self._write_timeout):
+                    async with conn.lock:
+                        await conn.stream.send(payload)
+            except TimeoutError:
+                reason = f"write stalled for {self._write_timeout} s"
+            except _NET_ERRORS as exc:
+                reason = f"write failed: {exc!r}"
+            else:
+                p.sent += len(frames)
+                continue
+            p.write_failures += len(frames)
+            self._drop(p, conn, reason)
+
+    async def _connect(self, p: _Peer) -> None:
+        """Dial until the peer is connected (by us or by its own dial)."""
+        attempt = 0
+        while p.active is None and p.route is not None and not p.forgotten:
+            changed = p.conn_changed.waiter()
+            if await self._dial(p, p.route):
+                return
+            # ``changed`` is already set if the peer's own dial won meanwhile.
+            with anyio.move_on_after(self._backoff.delay(attempt, self._rng)):
+                await changed.wait()
+            attempt += 1
+
+    async def _dial(self, p: _Peer, route: tuple[str, int]) -> bool:
+        conn_id = secrets.randbits(64) | 1
+        pre = Preamble(self._name, self._instance, conn_id, p.last_conn_id)
+        p.pending = conn_id
+        stream: anyio.abc.SocketStream | None = None
+        try:
+            with anyio.fail_after(self._connect_timeout):
+                stream = await anyio.connect_tcp(*route)
+                self._sockets.add(stream)
+                self._tune(stream)
+                receiver = BufferedByteReceiveStream(stream)
+                await write_frame(stream, pre.encode())
+                ack = Ack.decode(await read_frame(receiver, max_frame_bytes=MAX_PREAMBLE_BYTES))
+        except (*_NET_ERRORS, RemoteProtocolError) as exc:
+            p.connect_failures += 1
+            log.debug("%s: dial %s at %s:%d failed: %r", self._name, p.name, *route, exc)
+            if stream is not None:
+                await self._close_now(stream)
+            return False
+        except BaseException:
+            if stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._close_now(stream)
+            raise
+        finally:
+            if p.pending == conn_id:
+                p.pending = None
+        if ack.name != p.name or ack.conn_id != conn_id:
+            p.connect_failures += 1
+            log.warning(
+                "%s: %s:%d answered as %r (connection %#x), not %r",
+                self._name,
+                *route,
+                ack.name,
+                ack.conn_id,
+                p.name,
+            )
+            await self._close_now(stream)
+            return False
+        if p.active is not None or p.forgotten or self._state is not _OPEN:
+            await self._close_now(stream)  # the peer's own dial won meanwhile
+            return False
+        conn = _Conn(stream, receiver, conn_id, ack.instance)
+        self._tg().start_soon(self._read_loop, p, conn, self._install(p, conn))
+        return True
+
+    # --- accepting --------------------------------------------------------------------
+
+    async def _accept_loop(self, listener: anyio.abc.SocketListener) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return
+            except OSError as exc:  # out of descriptors and the like: keep serving
+                log.warning("%s: accept failed: %r", self._name, exc)
+                await anyio.sleep(0.1)
+                continue
+            if self._state is not _OPEN:
+                await self._close_now(stream)
+                return
+            self._tg().start_soon(self._on_accept, stream)
+
+    async def _on_accept(self, stream: anyio.abc.SocketStream) -> None:
+        self._sockets.add(stream)
+        if self._handshakes >= _MAX_HANDSHAKES:
+            self._handshake_failures += 1
+            log.warning("%s: too many connections in handshake; closing one", self._name)
+            await self._close_now(stream)
+            return
+        self._handshakes += 1
+        try:
+            self._tune(stream)
+            receiver = BufferedByteReceiveStream(stream)
+            with anyio.fail_after(self._connect_timeout):
+                frame = await read_frame(receiver, max_frame_bytes=MAX_PREAMBLE_BYTES)
+            hello = Preamble.decode(frame)
+        except (*_NET_ERRORS, RemoteProtocolError) as exc:
+            self._handshake_failures += 1
+            log.warning("%s: refused a connection before its preamble: %r", self._name, exc)
+            await self._close_now(stream)
+            return
+        finally:
+            self._handshakes -= 1
+        admitted = self._admit(hello, stream, receiver)
+        if admitted is None:
+            await self._close_now(stream)
+            return
+        p, conn, events = admitted
+        try:
+            with anyio.fail_after(self._connect_timeout):
+                await write_frame(stream, Ack(self._name, self._instance, hello.conn_id).encode())
+        except _NET_ERRORS as exc:
+            self._drop(p, conn, f"ack failed: {exc!r}")
+        finally:
+            conn.lock.release()
+        await self._read_loop(p, conn, events)
+
+    def _admit(
+        self,
+        hello: Preamble,
+        stream: anyio.abc.SocketStream,
+        receiver: BufferedByteReceiveStream,
+    ) -> tuple[_Peer, _Conn, list[ChannelEvent]] | None:
+        """Decide on a dialed connection; if accepted, install it (write lock held)."""
+        name = hello.name
+        if self._state is not _OPEN:
+            return None
+        if name == self._name:
+            self._handshake_failures += 1
+            log.warning("%s: refused a connection that claims our own name", self._name)
+            return None
+        p = self._peers.get(name)
+        if p is not None:
+            a = p.active
+            if a is not None:
+                if a.instance == hello.instance and hello.supersedes != a.conn_id:
+                    log.debug("%s: refused a duplicate connection from %s", self._name, name)
+                    return None
+            elif p.pending is not None and self._name < name:
+                log.debug("%s: refused %s's dial (ours wins)", self._name, name)
+                return None
+        else:
+            p = self._new_peer(name, None)
+        conn = _Conn(stream, receiver, hello.conn_id, hello.instance)
+        conn.lock.acquire_nowait()  # the ack goes first
+        return p, conn, self._install(p, conn)
+
+    # --- reading ----------------------------------------------------------------------
+
+    async def _read_loop(self, p: _Peer, conn: _Conn, events: list[ChannelEvent]) -> None:
+        """Emit ``events`` (the install's), then deliver frames until the connection ends."""
+        reason = "closed by peer"
+        framing: FramingError | None = None
+        limit = self._codec.limits.max_frame_bytes
+        try:
+            # Outside conn.scope: these are emitted even if the connection dies at once.
+            for event in events:
+                await self._emit(event)
+            with conn.scope:
+                while True:
+                    if self._idle_timeout is None:
+                        frame = await read_frame(conn.receiver, max_frame_bytes=limit)
+                    else:
+                        with anyio.fail_after(self._idle_timeout):
+                            frame = await read_frame(conn.receiver, max_frame_bytes=limit)
+                    try:
+                        message = self._codec.decode(frame)
+                    except RemoteProtocolError as exc:
+                        self._count_garbage(p, exc)
+                        await self._emit(Garbage(p.name, exc))
+                        continue
+                    p.received += 1
+                    await self._emit(Received(p.name, message))
+        except FramingError as exc:
+            framing = exc
+            reason = f"framing error: {exc}"
+        except TimeoutError:
+            reason = f"nothing received for {self._idle_timeout} s"
+        except (anyio.EndOfStream, anyio.IncompleteRead):
+            reason = "closed by peer"
+        except _NET_ERRORS as exc:
+            reason = f"connection error: {exc!r}"
+        finally:
+            self._drop(p, conn, reason)
+        if framing is not None:
+            self._count_garbage(p, framing)
+            await self._emit(Garbage(p.name, framing))
+
+    def _count_garbage(self, p: _Peer, exc: RemoteProtocolError) -> None:
+        p.garbage += 1
+        self._garbage += 1
+        log.warning("%s: garbage from %s: %s", self._name, p.name, exc)

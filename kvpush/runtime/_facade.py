@@ -1,0 +1,104 @@
+"""A synchronous facade for engines that run their own loops (vLLM's scheduler
+and workers are synchronous).
+
+The runtime's event loop runs in a background thread (anyio's blocking
+portal). Every method is thread-safe: it hops onto the loop, feeds one input,
+drains what that produced and returns. None of them waits for I/O: sends are
+queued on the channel and transfers on the data plane.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from kvpush.protocol import Event, KvpushError
+
+from ._runtime import EndpointRuntime
+
+__all__ = ("SyncRuntime",)
+
+R = TypeVar("R", bound=EndpointRuntime[Any])
+T = TypeVar("T")
+
+
+class SyncRuntime(Generic[R]):
+    """Owns a background event loop that runs one :class:`EndpointRuntime`.
+
+    ``setup`` is a coroutine function run on the loop that builds the runtime
+    (and enters whatever it needs, e.g. a channel) inside ``stack``.
+    """
+
+    def __init__(
+        self,
+        setup: Callable[[contextlib.AsyncExitStack], Coroutine[Any, Any, R]],
+        *,
+        start_timeout: float = 10.0,
+    ) -> None:
+        self._cm = start_blocking_portal()
+        self._portal: BlockingPortal = self._cm.__enter__()
+        self._stack = contextlib.AsyncExitStack()
+        try:
+            self.runtime: R = self._portal.call(self._start, setup, start_timeout)
+        except BaseException:
+            self._cm.__exit__(None, None, None)
+            raise
+        self._closed = False
+
+    async def _start(
+        self, setup: Callable[[contextlib.AsyncExitStack], Coroutine[Any, Any, R]], timeout: float
+    ) -> R:
+        with anyio.fail_after(timeout):
+            await self._stack.__aenter__()
+            runtime = await setup(self._stack)
+            tg = await self._stack.enter_async_context(anyio.create_task_group())
+            await tg.start(runtime.run)
+            self._task_group = tg
+        return runtime
+
+    def call(self, fn: Callable[..., T], *args: Any) -> tuple[T, list[Event]]:
+        """Run ``fn(*args)`` on the loop (e.g. ``runtime.reserve``); return its
+        result and every event drained so far."""
+        if self._closed:
+            raise KvpushError("the runtime is closed")
+        out: tuple[T, list[Event]] = self._portal.call(self._call, fn, args)
+        return out
+
+    async def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> tuple[T, list[Event]]:
+        result = fn(*args)
+        return result, self.runtime.events_nowait()
+
+    def events(self) -> list[Event]:
+        """Every event so far (non-blocking)."""
+        return self.call(lambda: None)[1]
+
+    def wait_events(self, timeout: float) -> list[Event]:
+        """Block up to ``timeout`` seconds for at least one event."""
+        if self._closed:
+            raise KvpushError("the runtime is closed")
+        return self._portal.call(self.runtime.next_events, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the runtime and the loop thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._portal.call(self._stop, timeout)
+        finally:
+            self._cm.__exit__(None, None, None)
+
+    async def _stop(self, timeout: float) -> None:
+        with anyio.fail_after(timeout):
+            self._task_group.cancel_scope.cancel()
+            await self._stack.aclose()
+
+    def __enter__(self) -> SyncRuntime[R]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

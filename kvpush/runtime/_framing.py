@@ -1,0 +1,150 @@
+"""Length-prefixed frames on a byte stream, and the control channel's preamble.
+
+Every frame on a control connection is::
+
+    offset  size  field
+    0       4     payload length n, uint32 big-endian
+    4       n     payload: a codec frame (:meth:`Codec.encode`), or a preamble
+
+The reader checks ``n`` against its limit *before* reading (or allocating) the
+payload: a length over the limit raises :class:`FramingError`, after which the
+stream is out of step and must be dropped.
+
+A connection opens with one preamble frame each way (the channel's own
+handshake, below the protocol's ``Hello``)::
+
+    dialer -> acceptor  b"KVPCH1" | instance u64 | conn_id u64 | supersedes u64 | name
+    acceptor -> dialer  b"KVPAK1" | instance u64 | conn_id u64 | name
+
+(integers big-endian, ``name`` UTF-8). ``instance`` is random per channel
+object (a restarted peer has a new one); ``conn_id`` is chosen by the dialer
+and echoed by the acceptor; ``supersedes`` is the id of the last connection the
+dialer had with this peer (0 if none): the acceptor uses it to tell a redial
+that replaces a connection it still holds from a stale duplicate. An acceptor
+that refuses the connection closes it without an ack.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from kvpush.protocol import MAX_ID_LEN, LocalProtocolError, RemoteProtocolError
+
+__all__ = (
+    "MAX_PREAMBLE_BYTES",
+    "Ack",
+    "FramingError",
+    "Preamble",
+    "encode_frame",
+    "read_frame",
+    "write_frame",
+)
+
+_PREFIX = struct.Struct(">I")
+#: Largest payload a 4-byte length prefix can describe.
+_MAX_LENGTH = (1 << 32) - 1
+
+_PREAMBLE_MAGIC = b"KVPCH1"
+_ACK_MAGIC = b"KVPAK1"
+_PREAMBLE = struct.Struct(">6sQQQ")
+_ACK = struct.Struct(">6sQQ")
+#: Largest preamble or ack payload (a name is at most MAX_ID_LEN UTF-8 bytes).
+MAX_PREAMBLE_BYTES = _PREAMBLE.size + MAX_ID_LEN
+
+
+class FramingError(RemoteProtocolError):
+    """The byte stream is not a sequence of valid frames (a length over the
+    limit, or a malformed preamble): the connection cannot continue."""
+
+
+def encode_frame(payload: bytes) -> bytes:
+    """``payload`` with its length prefix (frames are concatenated as they are)."""
+    if len(payload) > _MAX_LENGTH:
+        raise LocalProtocolError(f"payload of {len(payload)} bytes cannot be framed")
+    return _PREFIX.pack(len(payload)) + payload
+
+
+async def write_frame(
+    stream: anyio.abc.ByteSendStream, payload: bytes, *, max_frame_bytes: int | None = None
+) -> None:
+    """Send one frame (a single ``send``, so frames never interleave on a stream
+    written by one task at a time). :class:`LocalProtocolError` if ``payload`` is
+    longer than ``max_frame_bytes``; the stream's own errors propagate."""
+    if max_frame_bytes is not None and len(payload) > max_frame_bytes:
+        raise LocalProtocolError(
+            f"frame of {len(payload)} bytes exceeds the limit of {max_frame_bytes}"
+        )
+    await stream.send(encode_frame(payload))
+
+
+async def read_frame(stream: BufferedByteReceiveStream, *, max_frame_bytes: int) -> bytes:
+    """Receive one frame's payload.
+
+    ``stream`` wraps the connection once for its whole life (bytes buffered past
+    one frame belong to the next). Raises :class:`FramingError` when the length
+    prefix exceeds ``max_frame_bytes`` (nothing of the payload is read),
+    :class:`anyio.IncompleteRead` when the stream ends before a whole frame
+    (including at a frame boundary), and the stream's own errors.
+    """
+    (length,) = _PREFIX.unpack(await stream.receive_exactly(_PREFIX.size))
+    if length > max_frame_bytes:
+        raise FramingError(f"frame length {length} exceeds the limit of {max_frame_bytes} bytes")
+    if length == 0:
+        return b""
+    return await stream.receive_exactly(length)
+
+
+def _name(data: bytes, what: str) -> str:
+    try:
+        name = data.decode()
+    except UnicodeDecodeError:
+        raise FramingError(f"{what}: name is not UTF-8") from None
+    if not name or len(data) > MAX_ID_LEN:
+        raise FramingError(f"{what}: name must be 1 to {MAX_ID_LEN} bytes")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Preamble:
+    """The dialer's first frame: who it is, and which connection this replaces."""
+
+    name: str
+    instance: int
+    conn_id: int
+    supersedes: int = 0
+
+    def encode(self) -> bytes:
+        head = _PREAMBLE.pack(_PREAMBLE_MAGIC, self.instance, self.conn_id, self.supersedes)
+        return head + self.name.encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Preamble:
+        """:class:`FramingError` unless ``data`` is a well-formed preamble."""
+        if len(data) <= _PREAMBLE.size or data[:6] != _PREAMBLE_MAGIC:
+            raise FramingError("not a kvpush channel preamble")
+        _, instance, conn_id, supersedes = _PREAMBLE.unpack_from(data)
+        return cls(_name(data[_PREAMBLE.size :], "preamble"), instance, conn_id, supersedes)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The acceptor's answer: the connection is accepted, and who it reached."""
+
+    name: str
+    instance: int
+    conn_id: int
+
+    def encode(self) -> bytes:
+        return _ACK.pack(_ACK_MAGIC, self.instance, self.conn_id) + self.name.encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Ack:
+        """:class:`FramingError` unless ``data`` is a well-formed ack."""
+        if len(data) <= _ACK.size or data[:6] != _ACK_MAGIC:
+            raise FramingError("not a kvpush channel ack")
+        _, instance, conn_id = _ACK.unpack_from(data)
+        return cls(_name(data[_ACK.size :], "ack"), instance, conn_id)

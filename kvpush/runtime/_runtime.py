@@ -1,0 +1,305 @@
+"""The pump: one per endpoint, after aioquic's asyncio adapter.
+
+It feeds the sans-IO core the channel's frames, the data plane's results and
+timer firings (``now`` from :func:`anyio.current_time`), drains every output
+(frames to the channel, writes and reads to the data plane, events to the
+caller) and keeps one deadline armed. It makes no protocol decision itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import queue
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import msgpack
+
+from kvpush.protocol import (
+    Consumer,
+    ControlMessage,
+    Event,
+    KVLayout,
+    KvpushError,
+    Mode,
+    PeerReady,
+    Producer,
+    RemoteProtocolError,
+    Send,
+    StartRead,
+    StartWrite,
+)
+
+from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Result
+
+__all__ = (
+    "ChannelLike",
+    "ConsumerRuntime",
+    "EndpointRuntime",
+    "PeerLostEvent",
+    "ProducerRuntime",
+    "ReceivedEvent",
+    "decode_rank",
+    "encode_rank",
+)
+
+log = logging.getLogger("kvpush.runtime")
+
+E = TypeVar("E", Producer, Consumer)
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedEvent:
+    peer: str
+    message: ControlMessage
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLostEvent:
+    peer: str
+
+
+class ChannelLike(Protocol):
+    """What the pump needs of the control channel."""
+
+    def send_nowait(self, peer: str, message: ControlMessage) -> None: ...
+
+    def events(self) -> AsyncIterator[object]: ...
+
+
+def encode_rank(metadata: bytes, layout: KVLayout) -> bytes:
+    """One rank's data-plane description for :attr:`Hello.ranks`."""
+    packed: bytes = msgpack.packb({"md": metadata, "layout": layout.to_wire()})
+    return packed
+
+
+def decode_rank(blob: bytes) -> tuple[bytes, KVLayout]:
+    """Inverse of :func:`encode_rank`; :class:`RemoteProtocolError` if malformed."""
+    try:
+        obj = msgpack.unpackb(blob, max_map_len=4096, max_array_len=8192, max_str_len=4096)
+    except Exception as exc:  # msgpack raises several types
+        raise RemoteProtocolError(f"malformed rank description: {exc}") from None
+    if not isinstance(obj, dict) or set(obj) != {"md", "layout"} or type(obj["md"]) is not bytes:
+        raise RemoteProtocolError("rank description must be {md: bytes, layout: {...}}")
+    return obj["md"], KVLayout.from_wire(obj["layout"])
+
+
+class EndpointRuntime(Generic[E]):
+    """Runs one core endpoint on anyio. Call :meth:`run` in a task group;
+    feed inputs through the role's methods (from the event loop's thread)."""
+
+    def __init__(
+        self,
+        endpoint: E,
+        channel: ChannelLike,
+        dataplane: DataPlane | None = None,
+        *,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.endpoint: E = endpoint
+        self.channel = channel
+        self.dataplane = dataplane
+        self._on_event = on_event
+        self._events: collections.deque[Event] = collections.deque()
+        self._have_events = anyio.Event()
+        self._rearm = anyio.Event()
+        self._results: queue.SimpleQueue[list[Result]] = queue.SimpleQueue()
+        self._results_ready = anyio.Event()
+        self._token: Any = None
+        self.frames_dropped = 0
+        if dataplane is not None:
+            dataplane.bind(self.post_results)
+
+    # --- running -----------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Pump until cancelled."""
+        self._token = anyio.lowlevel.current_token()
+        if self.dataplane is not None:
+            self.dataplane.start()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._channel_loop)
+                tg.start_soon(self._timer_loop)
+                tg.start_soon(self._results_loop)
+                self.kick()
+                task_status.started()
+        finally:
+            if self.dataplane is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.dataplane.stop)
+                self._feed_results()
+
+    def now(self) -> float:
+        return anyio.current_time()
+
+    def kick(self) -> None:
+        """Drain the endpoint's outputs and re-arm the deadline (after any input)."""
+        for out in self.endpoint.drain():
+            if isinstance(out, Send):
+                try:
+                    self.channel.send_nowait(out.peer, out.message)
+                except KvpushError as exc:
+                    # A lost frame is something the protocol already survives.
+                    self.frames_dropped += 1
+                    log.warning("dropped %s to %s: %s", type(out.message).__name__, out.peer, exc)
+            elif isinstance(out, (StartWrite, StartRead)):
+                if self.dataplane is None:
+                    raise KvpushError("a transfer was planned but there is no data plane")
+                self.dataplane.submit(out)
+            else:
+                if isinstance(out, PeerReady) and self.dataplane is not None:
+                    self._add_peer(out.peer)
+                self._events.append(out)
+                if self._on_event is not None:
+                    self._on_event(out)
+                self._have_events.set()
+        self._rearm.set()
+
+    def _add_peer(self, peer: str) -> None:
+        hello = self.endpoint.peer(peer).hello
+        assert hello is not None and self.dataplane is not None
+        ranks = {i: decode_rank(blob) for i, blob in enumerate(hello.ranks)}
+        self.dataplane.add_peer(PeerRanks(peer, ranks, hello.tp))
+
+    # --- events for the caller ---------------------------------------------------
+
+    def events_nowait(self) -> list[Event]:
+        """Every event so far, oldest first (and forget them)."""
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    async def next_events(self, timeout: float) -> list[Event]:
+        """Wait up to ``timeout`` seconds for at least one event."""
+        with anyio.move_on_after(timeout):
+            while not self._events:
+                self._have_events = anyio.Event()
+                await self._have_events.wait()
+        return self.events_nowait()
+
+    # --- the loops ---------------------------------------------------------------------
+
+    async def _channel_loop(self) -> None:
+        async for ev in self.channel.events():
+            peer = getattr(ev, "peer", None)
+            message = getattr(ev, "message", None)
+            if peer is None:
+                continue
+            if message is not None:
+                self.endpoint.receive(self.now(), peer, message)
+            elif type(ev).__name__ == "PeerLost":
+                self.endpoint.peer_lost(self.now(), peer)
+            self.kick()
+
+    async def _timer_loop(self) -> None:
+        while True:
+            deadline = self.endpoint.next_deadline()
+            wait = math.inf if deadline is None else max(0.0, deadline - self.now())
+            with anyio.move_on_after(wait):
+                await self._rearm.wait()
+            self._rearm = anyio.Event()
+            self.endpoint.handle_timer(self.now())
+            self.kick()
+
+    async def _results_loop(self) -> None:
+        while True:
+            await self._results_ready.wait()
+            self._results_ready = anyio.Event()
+            self._feed_results()
+            if self.dataplane is not None and self.dataplane.error is not None:
+                raise KvpushError("the data-plane thread failed") from self.dataplane.error
+
+    def post_results(self, results: list[Result]) -> None:
+        """Called from the data-plane thread: queue results, wake the loop."""
+        self._results.put(results)
+        if self._token is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutting down)
+                anyio.from_thread.run_sync(self._results_ready.set, token=self._token)
+
+    def _feed_results(self) -> None:
+        now = self.now()
+        while True:
+            try:
+                batch = self._results.get_nowait()
+            except queue.Empty:
+                break
+            for r in batch:
+                self._feed_one(now, r)
+        self.kick()
+
+    def _feed_one(self, now: float, r: Result) -> None:
+        raise NotImplementedError
+
+
+class ProducerRuntime(EndpointRuntime[Producer]):
+    """A producer endpoint on anyio."""
+
+    def kv_ready(self, transfer_id: str, blocks: list[list[int]]) -> None:
+        self.endpoint.kv_ready(self.now(), transfer_id, blocks)
+        self.kick()
+
+    def abort(self, transfer_id: str) -> bool:
+        known = self.endpoint.abort(self.now(), transfer_id)
+        self.kick()
+        return known
+
+    def _feed_one(self, now: float, r: Result) -> None:
+        if isinstance(r, OpResult) and isinstance(r.action, StartWrite):
+            a = r.action
+            src, rank = a.route.source, a.route.consumer_rank
+            if r.error is None:
+                self.endpoint.write_done(now, a.transfer_id, a.epoch, src, rank)
+            else:
+                self.endpoint.write_failed(now, a.transfer_id, a.epoch, src, rank, r.error)
+
+
+class ConsumerRuntime(EndpointRuntime[Consumer]):
+    """A consumer endpoint on anyio."""
+
+    def connect(self, peer: str) -> None:
+        self.endpoint.connect(self.now(), peer)
+        self.kick()
+
+    def reserve(
+        self,
+        transfer_id: str,
+        peer: str,
+        blocks: list[list[int]],
+        *,
+        mode: Mode = Mode.PUSH,
+        skip_tokens: int = 0,
+    ) -> object:
+        result = self.endpoint.reserve(
+            self.now(), transfer_id, peer, blocks, mode=mode, skip_tokens=skip_tokens
+        )
+        self.kick()
+        return result
+
+    def preempt(self, transfer_id: str) -> bool:
+        done = self.endpoint.preempt(self.now(), transfer_id)
+        self.kick()
+        return done
+
+    def abort(self, transfer_id: str) -> bool:
+        done = self.endpoint.abort(self.now(), transfer_id)
+        self.kick()
+        return done
+
+    def _feed_one(self, now: float, r: Result) -> None:
+        if isinstance(r, NoticeIn):
+            self.endpoint.completion_received(now, r.notice)
+        elif isinstance(r.action, StartRead):
+            a = r.action
+            self.endpoint.read_done(
+                now, a.transfer_id, a.epoch, a.route.source, a.route.consumer_rank, r.error is None
+            )

@@ -1,0 +1,450 @@
+"""A :class:`~kvpush.runtime.Transport` over POSIX shared memory (one machine).
+
+Each rank owns one shared-memory *segment* holding its KV cache; addresses in
+its :class:`~kvpush.protocol.KVLayout` and in transfer plans are byte
+*offsets* into that segment, device id 0, memory type DRAM. A peer's segment
+is attached (mapped) by name from its :meth:`ShmTransport.metadata`, and a
+WRITE is one numpy slice copy per descriptor row, straight into the peer's
+memory, done before :meth:`ShmTransport.write` returns; :meth:`~ShmTransport.poll`
+then reports it as :class:`Completed`.
+
+Notices travel after the data in a *mailbox*: one single-producer
+single-consumer ring per (writer, target) pair, in its own segment, created
+by the writer in :meth:`~ShmTransport.add_peer` under a name the target can
+compute from the writer's metadata and its own identity, and attached by the
+target lazily (in its ``add_peer`` or a later ``poll``). The writer publishes
+a record only after the data copy and the record body are written (see
+``_shm_ring`` for the memory-ordering argument). Each record carries a
+sequence number, checked by the target to rise by exactly one per ring (no
+loss, no reorder), and, with ``verify=True`` on the writer, the CRC32 of the
+bytes sent and the destination ``(offset, length)`` rows; a target with
+``verify=True`` recomputes the CRC over its own memory when it polls the
+notice. A mismatch means a notice overtook its data: :meth:`~ShmTransport.poll`
+raises :class:`TransportError` and the transport is failed for good (every
+later call but :meth:`~ShmTransport.close` raises). Verification assumes, as
+kvpush's protocol guarantees, that a transfer's destination blocks are not
+rewritten before the target has polled its notice.
+
+Error handling: every refusal is a :class:`TransportError`, raised before
+anything is copied (unknown or closed peer, a row outside either segment, a
+device id other than 0, mailbox full, a malformed peer metadata); misuse of
+the constructor is a :class:`~kvpush.protocol.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import msgpack
+
+from kvpush.protocol import MAX_ID_LEN, ConfigError, KVLayout, MemoryType
+
+from ._shm_ring import (
+    MAX_PAYLOAD,
+    MIN_CAPACITY,
+    NAME_RE,
+    U8,
+    RingReader,
+    RingWriter,
+    Segment,
+    check_rows,
+    copy_rows,
+    crc_rows,
+)
+from ._transport import Completed, Descriptors, Notice, Transport, TransportError
+
+__all__ = ("DEFAULT_MAILBOX_BYTES", "ShmTransport")
+
+#: Default capacity of one (writer, target) mailbox: ~30,000 notices without
+#: verification rows (each row adds 16 bytes when ``verify=True``).
+DEFAULT_MAILBOX_BYTES = 4 << 20
+
+_META_KIND = "kvpush.shm"
+_META_VERSION = 1
+_META_KEYS = frozenset(("kind", "version", "agent", "instance", "segment", "size", "rings"))
+_NONCE_BYTES = 16
+
+
+def _ring_name(prefix: str, target: str, instance: bytes) -> str:
+    """The mailbox a writer with ring ``prefix`` creates for one target instance."""
+    digest = hashlib.blake2b(target.encode() + b"\0" + instance, digest_size=4).hexdigest()
+    return f"{prefix}_{digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerInfo:
+    agent: str
+    instance: bytes
+    segment: str
+    size: int
+    rings: str
+
+
+def _decode_metadata(data: bytes) -> _PeerInfo:
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > 4096:
+        raise TransportError("shared-memory metadata must be bytes of at most 4096")
+    try:
+        obj: Any = msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            max_str_len=4 * MAX_ID_LEN,
+            max_bin_len=64,
+            max_array_len=0,
+            max_map_len=len(_META_KEYS),
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack documents "other exceptions can be raised"
+        raise TransportError(f"malformed shared-memory metadata: {exc}") from None
+    if not isinstance(obj, dict) or set(obj) != _META_KEYS or obj["kind"] != _META_KIND:
+        raise TransportError("not kvpush shared-memory metadata")
+    if obj["version"] != _META_VERSION:
+        raise TransportError(f"shared-memory metadata version {obj['version']!r:.20} unsupported")
+    agent, instance, size = obj["agent"], obj["instance"], obj["size"]
+    if type(agent) is not str or not 1 <= len(agent.encode()) <= MAX_ID_LEN:
+        raise TransportError("shared-memory metadata: bad agent name")
+    if type(instance) is not bytes or len(instance) != _NONCE_BYTES:
+        raise TransportError("shared-memory metadata: bad instance nonce")
+    if type(size) is not int or not 1 <= size < 1 << 62:
+        raise TransportError("shared-memory metadata: bad segment size")
+    for key in ("segment", "rings"):
+        if type(obj[key]) is not str or not NAME_RE.fullmatch(obj[key]):
+            raise TransportError(f"shared-memory metadata: bad {key} name")
+    return _PeerInfo(agent, instance, obj["segment"], size, obj["rings"])
+
+
+@dataclass(slots=True, eq=False)
+class _Peer:
+    info: _PeerInfo
+    segment: Segment
+    #: Our mailbox to it (we own it) and its mailbox to us (once it exists).
+    outbox: RingWriter
+    inbox_name: str
+    inbox: RingReader | None = None
+
+
+class ShmTransport:
+    """One rank's data plane over POSIX shared memory (see the module docs).
+
+    ``ShmTransport(agent, size)`` creates a segment of ``size`` bytes (named
+    ``name``, or a random ``kvp...`` name); ``create=False`` attaches to the
+    existing segment ``name`` instead (a leader driving transfers for memory a
+    rank process owns), and never unlinks it. ``verify`` turns on the CRC
+    check of every write, on both ends (it costs a CRC pass over the bytes on
+    each side); ``mailbox_bytes`` sizes each outgoing mailbox.
+
+    Not thread-safe: the runtime calls it from one thread. :meth:`close`
+    releases everything (also on ``with`` exit).
+    """
+
+    __slots__ = (
+        "_agent",
+        "_closed",
+        "_failed",
+        "_failure",
+        "_instance",
+        "_layout",
+        "_mailbox_bytes",
+        "_next_handle",
+        "_peers",
+        "_posted",
+        "_ring_prefix",
+        "_segment",
+        "_verify",
+    )
+
+    def __init__(
+        self,
+        agent: str,
+        size: int,
+        *,
+        create: bool = True,
+        name: str | None = None,
+        verify: bool = False,
+        mailbox_bytes: int = DEFAULT_MAILBOX_BYTES,
+    ) -> None:
+        if type(agent) is not str or not 1 <= len(agent.encode()) <= MAX_ID_LEN:
+            raise ConfigError(f"agent must be a non-empty str of at most {MAX_ID_LEN} bytes")
+        if type(size) is not int or not 1 <= size < 1 << 62:
+            raise ConfigError(f"size must be a positive int, got {size!r}")
+        if type(mailbox_bytes) is not int or mailbox_bytes < MIN_CAPACITY or mailbox_bytes % 8:
+            raise ConfigError(f"mailbox_bytes must be a multiple of 8 >= {MIN_CAPACITY}")
+        if name is not None and (type(name) is not str or not NAME_RE.fullmatch(name)):
+            raise ConfigError(f"name must match {NAME_RE.pattern}, got {name!r:.40}")
+        self._agent = agent
+        self._verify = bool(verify)
+        self._mailbox_bytes = mailbox_bytes
+        self._instance = secrets.token_bytes(_NONCE_BYTES)
+        if create:
+            seg_name = name if name is not None else "kvp" + secrets.token_hex(5)
+            self._segment = Segment.create(seg_name, size)
+        elif name is None:
+            raise ConfigError("create=False needs the name of the segment to attach")
+        else:
+            self._segment = Segment.attach(name, size)
+        self._ring_prefix = f"{self._segment.name}_{self._instance.hex()[:6]}"
+        self._peers: dict[str, _Peer] = {}
+        self._posted: dict[int, str] = {}
+        self._failed: list[Completed] = []
+        self._next_handle = 1
+        self._layout: KVLayout | None = None
+        self._closed = False
+        self._failure: str | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "failed" if self._failure else "open"
+        return (
+            f"ShmTransport(agent={self._agent!r}, segment={self._segment.name!r}, "
+            f"size={self._segment.size}, peers={len(self._peers)}, {state})"
+        )
+
+    def __enter__(self) -> ShmTransport:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- properties ------------------------------------------------------------
+
+    @property
+    def agent(self) -> str:
+        """This rank's transport name."""
+        return self._agent
+
+    @property
+    def segment_name(self) -> str:
+        """The name of this rank's KV segment (attach with ``create=False``)."""
+        return self._segment.name
+
+    @property
+    def size(self) -> int:
+        """Bytes of this rank's KV segment."""
+        return self._segment.size
+
+    @property
+    def memory(self) -> U8:
+        """The whole KV segment as a writable ``uint8`` array (offsets are addresses).
+
+        Views taken from it keep the mapping alive after :meth:`close`."""
+        self._check_open()
+        return self._segment.array
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The agents currently attached."""
+        return tuple(self._peers)
+
+    @property
+    def verify(self) -> bool:
+        return self._verify
+
+    # --- Transport -------------------------------------------------------------
+
+    def register(self, layout: KVLayout) -> None:
+        """Check that every region of ``layout`` is DRAM, device 0, and inside
+        the segment. A second call must pass an equal layout."""
+        self._check_open()
+        if not isinstance(layout, KVLayout):
+            raise TransportError(f"register needs a KVLayout, got {type(layout).__name__}")
+        for r in layout.regions:
+            if r.memory is not MemoryType.DRAM or r.device != 0:
+                raise TransportError(
+                    f"region {r.name} is {r.memory.value} device {r.device}: shared memory "
+                    "holds DRAM, device 0 only"
+                )
+            if r.base + r.extent > self._segment.size:
+                raise TransportError(
+                    f"region {r.name} [{r.base}, {r.base + r.extent}) does not fit in the "
+                    f"{self._segment.size}-byte segment {self._segment.name!r}"
+                )
+        if self._layout is not None and self._layout != layout:
+            raise TransportError("a different KV layout is already registered")
+        self._layout = layout
+
+    def metadata(self) -> bytes:
+        """msgpack: agent, instance nonce, segment name and size, mailbox prefix."""
+        self._check_open()
+        packed: bytes = msgpack.packb(
+            {
+                "kind": _META_KIND,
+                "version": _META_VERSION,
+                "agent": self._agent,
+                "instance": self._instance,
+                "segment": self._segment.name,
+                "size": self._segment.size,
+                "rings": self._ring_prefix,
+            },
+            use_bin_type=True,
+        )
+        return packed
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Attach a peer's segment and create our mailbox to it; returns its
+        agent. The same instance again is a no-op; a new instance of a known
+        agent replaces the old attachment (its posted transfers fail)."""
+        self._check_usable()
+        info = _decode_metadata(metadata)
+        old = self._peers.get(info.agent)
+        if old is not None:
+            if old.info.instance == info.instance:
+                return info.agent
+            self._drop(old, f"peer {info.agent!r} restarted")
+        segment = Segment.attach(info.segment, info.size)
+        try:
+            outbox_name = _ring_name(self._ring_prefix, info.agent, info.instance)
+            outbox = RingWriter(outbox_name, self._mailbox_bytes, self._instance)
+        except BaseException:
+            segment.close()
+            raise
+        inbox_name = _ring_name(info.rings, self._agent, self._instance)
+        peer = _Peer(info, segment, outbox, inbox_name, RingReader.try_attach(inbox_name))
+        self._peers[info.agent] = peer
+        return info.agent
+
+    def remove_peer(self, agent: str) -> None:
+        """Detach ``agent`` (no-op if unknown); its unpolled transfers fail."""
+        peer = self._peers.get(agent)
+        if peer is not None:
+            self._drop(peer, f"peer {agent!r} was removed")
+
+    def write(self, agent: str, src: Descriptors, dst: Descriptors, notice: bytes) -> int:
+        """Copy local ``src`` rows into ``agent``'s ``dst`` rows, then post
+        ``notice`` to its mailbox. Refused (nothing copied) if a row is out of
+        bounds or the mailbox lacks room ("mailbox full": poll and retry)."""
+        self._check_usable()
+        peer = self._peer(agent)
+        if not isinstance(notice, (bytes, bytearray)) or len(notice) > MAX_PAYLOAD:
+            raise TransportError(f"notice must be bytes of at most {MAX_PAYLOAD}")
+        s, d = self._pair(src, dst, self._segment, peer.segment)
+        outbox = peer.outbox
+        need = RingWriter.record_size(len(notice), d.shape[0] if self._verify else 0)
+        if need > outbox.capacity:
+            raise TransportError(
+                f"a notice with {d.shape[0]} verification rows needs {need} bytes, more than "
+                f"the {outbox.capacity}-byte mailbox: raise mailbox_bytes or turn verify off"
+            )
+        if need > outbox.free():
+            raise TransportError(f"mailbox full to {agent!r} (the target must poll; retry)")
+        local = self._segment.array
+        copy_rows(peer.segment.array, d, local, s)
+        crc = crc_rows(local, s.tolist()) if self._verify else None
+        outbox.append(bytes(notice), crc, d if self._verify else None)
+        return self._post(agent)
+
+    def read(self, agent: str, local: Descriptors, remote: Descriptors) -> int:
+        """Copy ``agent``'s ``remote`` rows into local ``local`` rows (no notice)."""
+        self._check_usable()
+        peer = self._peer(agent)
+        l_rows, r_rows = self._pair(local, remote, self._segment, peer.segment)
+        copy_rows(self._segment.array, l_rows, peer.segment.array, r_rows)
+        return self._post(agent)
+
+    def poll(self) -> tuple[list[Completed], list[Notice]]:
+        """Settled transfers (in handle order) and the notices that arrived.
+        Never blocks. Raises :class:`TransportError` (and fails the transport)
+        if a mailbox is corrupt, loses or reorders a notice, or, with
+        ``verify``, a notice arrived before its data."""
+        self._check_usable()
+        notices: list[Notice] = []
+        memory = self._segment.array
+        for peer in list(self._peers.values()):
+            inbox = peer.inbox
+            if inbox is None:
+                inbox = peer.inbox = RingReader.try_attach(peer.inbox_name)
+                if inbox is None:
+                    continue
+            try:
+                records, closed = inbox.drain(self._segment.size)
+            except TransportError as exc:
+                self._fail(str(exc))
+            for rec in records:
+                if self._verify and rec.crc is not None and rec.rows is not None:
+                    actual = crc_rows(memory, rec.rows.tolist())
+                    if actual != rec.crc:
+                        self._fail(
+                            f"notice {rec.seq} from {peer.info.agent!r} arrived before its data "
+                            f"(CRC32 {actual:#010x} of the destination, {rec.crc:#010x} sent)"
+                        )
+                notices.append(Notice(peer.info.agent, rec.payload))
+            inbox.consume(records)
+            if closed:  # the writer dropped us; a new mailbox may appear later
+                inbox.close()
+                peer.inbox = None
+        completed = self._failed + [Completed(h) for h in self._posted]
+        self._failed, self._posted = [], {}
+        completed.sort(key=lambda c: c.handle)
+        return completed, notices
+
+    def close(self) -> None:
+        """Detach every peer, unlink our mailboxes and (if created here) our
+        segment, and unmap. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._peers.values()):
+            self._drop(peer, "transport closed")
+        self._failed.clear()
+        self._segment.unlink()
+        self._segment.close()
+
+    # --- internals -------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"transport {self._agent!r} is closed")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self._failure is not None:
+            raise TransportError(f"transport {self._agent!r} failed: {self._failure}")
+
+    def _fail(self, reason: str) -> NoReturn:
+        self._failure = reason
+        raise TransportError(reason)
+
+    def _peer(self, agent: str) -> _Peer:
+        peer = self._peers.get(agent)
+        if peer is None:
+            raise TransportError(f"unknown peer {agent!r}")
+        return peer
+
+    @staticmethod
+    def _pair(
+        a: Descriptors, b: Descriptors, seg_a: Segment, seg_b: Segment
+    ) -> tuple[Descriptors, Descriptors]:
+        rows_a = check_rows(a, "local rows", seg_a)
+        rows_b = check_rows(b, "remote rows", seg_b)
+        if rows_a.shape != rows_b.shape or bool((rows_a[:, 1] != rows_b[:, 1]).any()):
+            raise TransportError("local and remote rows differ in count or lengths")
+        return rows_a, rows_b
+
+    def _post(self, agent: str) -> int:
+        handle = self._next_handle
+        self._next_handle += 1
+        self._posted[handle] = agent
+        return handle
+
+    def _drop(self, peer: _Peer, reason: str) -> None:
+        agent = peer.info.agent
+        del self._peers[agent]
+        for handle in [h for h, a in self._posted.items() if a == agent]:
+            del self._posted[handle]
+            self._failed.append(Completed(handle, reason))
+        peer.outbox.close()
+        if peer.inbox is not None:
+            peer.inbox.close()
+        peer.segment.close()
+
+
+if TYPE_CHECKING:
+
+    def _is_a_transport(t: ShmTransport) -> Transport:  # mypy checks the Protocol
+        return t
