@@ -14,7 +14,6 @@ import logging
 import math
 import queue
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -37,15 +36,14 @@ from kvpush.protocol import (
     StartWrite,
 )
 
+from ._channel import PeerLost, Received
 from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Result
 
 __all__ = (
     "ChannelLike",
     "ConsumerRuntime",
     "EndpointRuntime",
-    "PeerLostEvent",
     "ProducerRuntime",
-    "ReceivedEvent",
     "decode_rank",
     "encode_rank",
 )
@@ -53,17 +51,6 @@ __all__ = (
 log = logging.getLogger("kvpush.runtime")
 
 E = TypeVar("E", Producer, Consumer)
-
-
-@dataclass(frozen=True, slots=True)
-class ReceivedEvent:
-    peer: str
-    message: ControlMessage
-
-
-@dataclass(frozen=True, slots=True)
-class PeerLostEvent:
-    peer: str
 
 
 class ChannelLike(Protocol):
@@ -191,14 +178,12 @@ class EndpointRuntime(Generic[E]):
 
     async def _channel_loop(self) -> None:
         async for ev in self.channel.events():
-            peer = getattr(ev, "peer", None)
-            message = getattr(ev, "message", None)
-            if peer is None:
+            if isinstance(ev, Received):
+                self.endpoint.receive(self.now(), ev.peer, ev.message)
+            elif isinstance(ev, PeerLost):
+                self.endpoint.peer_lost(self.now(), ev.peer)
+            else:  # PeerConnected, Garbage: the channel counted and logged them
                 continue
-            if message is not None:
-                self.endpoint.receive(self.now(), peer, message)
-            elif type(ev).__name__ == "PeerLost":
-                self.endpoint.peer_lost(self.now(), peer)
             self.kick()
 
     async def _timer_loop(self) -> None:

@@ -1,0 +1,51 @@
+"""The anyio runtime that pumps the sans-IO core: control channel, data plane,
+shared-memory transport and a synchronous facade (work in progress: the demo,
+metrics and benchmarks arrive with the rest of the runtime issue)."""
+
+from __future__ import annotations
+
+from ._channel import (
+    Backoff,
+    ChannelBusy,
+    ChannelClosed,
+    ControlChannel,
+    Garbage,
+    PeerConnected,
+    PeerLost,
+    PeerUnreachable,
+    Received,
+)
+from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Rank
+from ._facade import SyncRuntime
+from ._runtime import ConsumerRuntime, EndpointRuntime, ProducerRuntime, decode_rank, encode_rank
+from ._shm import ShmTransport
+from ._transport import Completed, Descriptors, Notice, Transport, TransportError
+
+__all__ = (
+    "Backoff",
+    "ChannelBusy",
+    "ChannelClosed",
+    "Completed",
+    "ConsumerRuntime",
+    "ControlChannel",
+    "DataPlane",
+    "Descriptors",
+    "EndpointRuntime",
+    "Garbage",
+    "Notice",
+    "NoticeIn",
+    "OpResult",
+    "PeerConnected",
+    "PeerLost",
+    "PeerRanks",
+    "PeerUnreachable",
+    "ProducerRuntime",
+    "Rank",
+    "Received",
+    "ShmTransport",
+    "SyncRuntime",
+    "Transport",
+    "TransportError",
+    "decode_rank",
+    "encode_rank",
+)

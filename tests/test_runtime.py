@@ -1,0 +1,188 @@
+"""The runtime end to end in one process: two pumps, a real TCP control
+channel on loopback and the shared-memory transport; bytes verified."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+import pytest
+
+from kvpush.protocol import (
+    Codec,
+    Consumer,
+    ConsumerConfig,
+    Event,
+    HeadOrder,
+    Identity,
+    KVLayout,
+    MemoryType,
+    Mode,
+    Producer,
+    ProducerConfig,
+    Ready,
+    Released,
+    Role,
+    SourceReleased,
+    layer_regions,
+)
+from kvpush.runtime import (
+    ConsumerRuntime,
+    ControlChannel,
+    DataPlane,
+    ProducerRuntime,
+    Rank,
+    ShmTransport,
+    encode_rank,
+)
+
+pytestmark = pytest.mark.anyio
+
+HEADS, HEAD_BYTES, LAYERS, BLOCKS = 4, 16, 2, 32
+SECRET = b"runtime-test-shared-secret-0123456"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def rank_layout(tp: int, rank: int, tokens: int) -> KVLayout:
+    heads = HEADS // tp
+    block_len = tokens * heads * HEAD_BYTES
+    span = 2 * BLOCKS * block_len
+    return KVLayout(
+        layer_regions(
+            [i * span for i in range(LAYERS)],
+            num_blocks=BLOCKS,
+            tokens_per_block=tokens,
+            num_heads=heads,
+            head_bytes=HEAD_BYTES,
+            head_start=rank * heads,
+            order=HeadOrder.HND,
+            memory=MemoryType.DRAM,
+        )
+    )
+
+
+def region_view(mem: np.ndarray, r: object) -> np.ndarray:
+    """(blocks, heads, tokens, head_bytes) view of an HND region."""
+    base, stride, n = r.base, r.stride, r.num_blocks  # type: ignore[attr-defined]
+    rows = mem[base : base + n * stride].reshape(n, stride)[:, : r.block_len]  # type: ignore[attr-defined]
+    return rows.reshape(n, r.num_heads, r.tokens_per_block, r.head_bytes)  # type: ignore[attr-defined]
+
+
+def value(layer: int, kind: str, token: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """The KV byte of (layer, kind, absolute token, global head): any mix works."""
+    return ((layer * 31 + (kind == "V") * 17 + token * 7 + head * 13) % 251).astype(np.uint8)
+
+
+@dataclass
+class Side:
+    runtime: ProducerRuntime | ConsumerRuntime
+    transports: list[ShmTransport]
+    layouts: list[KVLayout]
+    port: int
+
+
+@asynccontextmanager
+async def side(
+    stack: AsyncExitStack, role: Role, name: str, tp: int, tokens: int
+) -> AsyncIterator[Side]:
+    codec = Codec(secret=SECRET)
+    layouts = [rank_layout(tp, r, tokens) for r in range(tp)]
+    size = max(r.base + r.num_blocks * r.stride for r in layouts[0].regions)
+    transports = [ShmTransport(f"{name}-r{r}", size, verify=True) for r in range(tp)]
+    for t in transports:
+        stack.callback(t.close)
+    dataplane = DataPlane(role, {r: Rank(transports[r], layouts[r]) for r in range(tp)}, tp, codec)
+    blobs = tuple(
+        encode_rank(transports[r].metadata(), layouts[r]) for r in range(tp)
+    )
+    identity = Identity(name, 7, tp=tp, num_kv_heads=HEADS, layout=layouts[0], ranks=blobs)
+    channel = await stack.enter_async_context(ControlChannel(name, codec))
+    port = await channel.listen("127.0.0.1", 0)
+    runtime: ProducerRuntime | ConsumerRuntime
+    if role is Role.PRODUCER:
+        runtime = ProducerRuntime(Producer(ProducerConfig(identity)), channel, dataplane)
+    else:
+        runtime = ConsumerRuntime(Consumer(ConsumerConfig(identity)), channel, dataplane)
+    tg = await stack.enter_async_context(anyio.create_task_group())
+    await tg.start(runtime.run)
+    stack.callback(tg.cancel_scope.cancel)
+    yield Side(runtime, transports, layouts, port)
+
+
+def fill(s: Side, blocks: list[int]) -> None:
+    """Producer KV: every block of ``blocks`` holds tokens from 0 upwards."""
+    for t, layout in zip(s.transports, s.layouts, strict=True):
+        for r in layout.regions:
+            view = region_view(t.memory, r)
+            tok = np.arange(r.tokens_per_block)
+            for i, b in enumerate(blocks):
+                heads = r.head_start + np.arange(r.num_heads)
+                v = value(r.layer, r.kind, (i * r.tokens_per_block + tok)[None, :], heads[:, None])
+                view[b] = v[:, :, None]
+
+
+def check(s: Side, blocks: list[int], skip_tokens: int = 0) -> None:
+    for t, layout in zip(s.transports, s.layouts, strict=True):
+        for r in layout.regions:
+            view = region_view(t.memory, r)
+            tok = np.arange(r.tokens_per_block)
+            for i, b in enumerate(blocks):
+                heads = r.head_start + np.arange(r.num_heads)
+                first = skip_tokens + i * r.tokens_per_block
+                want = value(r.layer, r.kind, (first + tok)[None, :], heads[:, None])
+                assert np.array_equal(view[b], np.broadcast_to(want[:, :, None], view[b].shape))
+
+
+async def wait_for(s: Side, kinds: tuple[type, ...], n: int, seen: list[Event]) -> list[Event]:
+    with anyio.fail_after(10):
+        while sum(isinstance(e, kinds) for e in seen) < n:
+            seen += await s.runtime.next_events(1.0)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "p_tokens", "d_tokens", "mode"),
+    [
+        (1, 1, 16, 16, Mode.PUSH),
+        (2, 1, 16, 16, Mode.PUSH),
+        (1, 2, 16, 16, Mode.PUSH),
+        (1, 1, 16, 8, Mode.PUSH),
+        (2, 1, 16, 16, Mode.PULL),
+        (1, 2, 8, 16, Mode.PULL),
+    ],
+)
+async def test_transfers_over_tcp_and_shared_memory(
+    p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: Mode
+) -> None:
+    async with AsyncExitStack() as stack:
+        prod = await stack.enter_async_context(side(stack, Role.PRODUCER, "prefill", p_tp, p_tokens))
+        cons = await stack.enter_async_context(side(stack, Role.CONSUMER, "decode", d_tp, d_tokens))
+        assert isinstance(cons.runtime, ConsumerRuntime)
+        assert isinstance(prod.runtime, ProducerRuntime)
+        cons.runtime.channel.add_route("prefill", "127.0.0.1", prod.port)  # type: ignore[attr-defined]
+        tokens = 64
+        src_blocks = [5, 9, 10, 11, 0, 1, 2, 30][: tokens // p_tokens]  # fragmented
+        dst_blocks = [20, 3, 4, 17, 30, 31, 1, 2][: tokens // d_tokens]
+        fill(prod, src_blocks)
+        # Reserve first (decode registers while prefill still computes) ...
+        cons.runtime.reserve("req-1", "prefill", [dst_blocks], mode=mode)
+        await anyio.sleep(0.05)
+        # ... then the KV becomes ready.
+        prod.runtime.kv_ready("req-1", [src_blocks])
+        seen = await wait_for(cons, (Ready,), 1, [])
+        check(cons, dst_blocks)
+        pseen = await wait_for(prod, (SourceReleased,), 1, [])
+        (released,) = [e for e in pseen if isinstance(e, SourceReleased)]
+        assert released.outcome.value == "delivered"
+        (ready,) = [e for e in seen if isinstance(e, Ready)]
+        assert ready.timeline.ready is not None and ready.timeline.registration_sent is not None
+        assert cons.runtime.endpoint.reserved_blocks == 0
+        assert prod.runtime.endpoint.held_blocks == 0
+        assert not [e for e in seen if isinstance(e, Released)]
