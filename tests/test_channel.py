@@ -152,9 +152,13 @@ class Proxy:
 
     async def start(self, tg: anyio.abc.TaskGroup) -> int:
         listener = await anyio.create_tcp_listener(local_host=HOST)
-        tg.start_soon(listener.serve, self._relay)
+        tg.start_soon(self._serve, listener)
         port: int = listener.extra(anyio.abc.SocketAttribute.local_port)
         return port
+
+    async def _serve(self, listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
+        async with listener:
+            await listener.serve(self._relay)
 
     async def _relay(self, client: anyio.abc.SocketStream) -> None:
         async with client:
@@ -507,8 +511,8 @@ async def test_simultaneous_dials_settle_on_one_connection() -> None:
 
 async def test_garbage_from_raw_sockets_is_counted_and_others_are_unaffected() -> None:
     with anyio.fail_after(6):
-        async with pair() as (b, a):  # b dials a
-            port = a.statistics().ports[0]
+        async with pair() as (a, b):  # a dials b; the raw sockets attack b too
+            port = b.statistics().ports[0]
 
             junk = await anyio.connect_tcp(HOST, port)
             async with junk:
@@ -516,43 +520,43 @@ async def test_garbage_from_raw_sockets_is_counted_and_others_are_unaffected() -
                 with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError, OSError)):
                     while True:
                         await junk.receive()
-            assert a.statistics().handshake_failures == 1
+            assert b.statistics().handshake_failures == 1
 
             raw = await anyio.connect_tcp(HOST, port)
             async with raw:
                 reader = BufferedByteReceiveStream(raw)
                 await raw.send(encode_frame(Preamble("mallory", 1, 99).encode()))
                 ack = Ack.decode(await read_frame(reader, max_frame_bytes=MAX_PREAMBLE_BYTES))
-                assert (ack.name, ack.conn_id) == ("a", 99)
-                await wait_for(a, lambda e: e == PeerConnected("mallory"))
+                assert (ack.name, ack.conn_id) == ("b", 99)
+                await wait_for(b, lambda e: e == PeerConnected("mallory"))
 
                 await raw.send(encode_frame(b"KVP\x01\x0b\x00not msgpack"))  # framed garbage
-                ev, _ = await wait_for(a, lambda e: isinstance(e, Garbage))
+                ev, _ = await wait_for(b, lambda e: isinstance(e, Garbage))
                 assert isinstance(ev, Garbage)
                 assert ev.peer == "mallory"
                 assert not isinstance(ev.error, FramingError)
                 # Well-framed garbage keeps the connection.
                 await raw.send(encode_frame(CODEC.encode(Heartbeat(9))))
-                assert await received(a, "mallory") == Heartbeat(9)
+                assert await received(b, "mallory") == Heartbeat(9)
 
                 await raw.send(struct.pack(">I", 0xFFFFFFF0) + b"x" * 100)  # oversized
-                ev, _ = await wait_for(a, lambda e: isinstance(e, Garbage))
+                ev, _ = await wait_for(b, lambda e: isinstance(e, Garbage))
                 assert isinstance(ev, Garbage)
                 assert isinstance(ev.error, FramingError)
                 with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError, OSError)):
                     while True:
                         await raw.receive()
 
-            stats = a.statistics()
+            stats = b.statistics()
             assert stats.garbage == 2
             assert stats.peers["mallory"].garbage == 2
             assert not stats.peers["mallory"].connected
             # Everyone else is served as before.
-            await b.send("a", Heartbeat(1))
-            assert await received(a, "b") == Heartbeat(1)
-            await a.send("b", Heartbeat(2))
-            assert await received(b, "a") == Heartbeat(2)
-            assert a.statistics().peers["b"].garbage == 0
+            await a.send("b", Heartbeat(1))
+            assert await received(b, "a") == Heartbeat(1)
+            await b.send("a", Heartbeat(2))
+            assert await received(a, "b") == Heartbeat(2)
+            assert b.statistics().peers["a"].garbage == 0
 
 
 async def test_frames_older_than_max_age_are_dropped_not_sent_late() -> None:

@@ -99,9 +99,7 @@ async def side(
     for t in transports:
         stack.callback(t.close)
     dataplane = DataPlane(role, {r: Rank(transports[r], layouts[r]) for r in range(tp)}, tp, codec)
-    blobs = tuple(
-        encode_rank(transports[r].metadata(), layouts[r]) for r in range(tp)
-    )
+    blobs = tuple(encode_rank(transports[r].metadata(), layouts[r]) for r in range(tp))
     identity = Identity(name, 7, tp=tp, num_kv_heads=HEADS, layout=layouts[0], ranks=blobs)
     channel = await stack.enter_async_context(ControlChannel(name, codec))
     port = await channel.listen("127.0.0.1", 0)
@@ -162,7 +160,9 @@ async def test_transfers_over_tcp_and_shared_memory(
     p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: Mode
 ) -> None:
     async with AsyncExitStack() as stack:
-        prod = await stack.enter_async_context(side(stack, Role.PRODUCER, "prefill", p_tp, p_tokens))
+        prod = await stack.enter_async_context(
+            side(stack, Role.PRODUCER, "prefill", p_tp, p_tokens)
+        )
         cons = await stack.enter_async_context(side(stack, Role.CONSUMER, "decode", d_tp, d_tokens))
         assert isinstance(cons.runtime, ConsumerRuntime)
         assert isinstance(prod.runtime, ProducerRuntime)
@@ -186,3 +186,90 @@ async def test_transfers_over_tcp_and_shared_memory(
         assert cons.runtime.endpoint.reserved_blocks == 0
         assert prod.runtime.endpoint.held_blocks == 0
         assert not [e for e in seen if isinstance(e, Released)]
+
+
+async def build(stack: AsyncExitStack, role: Role, name: str, tp: int) -> tuple[object, Side]:
+    """Like ``side`` but leaves starting the pump to the caller (the facade)."""
+    codec = Codec(secret=SECRET)
+    layouts = [rank_layout(tp, r, 16) for r in range(tp)]
+    size = max(r.base + r.num_blocks * r.stride for r in layouts[0].regions)
+    transports = [ShmTransport(f"{name}-r{r}", size) for r in range(tp)]
+    for t in transports:
+        stack.callback(t.close)
+    dataplane = DataPlane(role, {r: Rank(transports[r], layouts[r]) for r in range(tp)}, tp, codec)
+    blobs = tuple(encode_rank(transports[r].metadata(), layouts[r]) for r in range(tp))
+    identity = Identity(name, 9, tp=tp, num_kv_heads=HEADS, layout=layouts[0], ranks=blobs)
+    channel = await stack.enter_async_context(ControlChannel(name, codec))
+    port = await channel.listen("127.0.0.1", 0)
+    runtime: ProducerRuntime | ConsumerRuntime
+    if role is Role.PRODUCER:
+        runtime = ProducerRuntime(Producer(ProducerConfig(identity)), channel, dataplane)
+    else:
+        runtime = ConsumerRuntime(Consumer(ConsumerConfig(identity)), channel, dataplane)
+    return runtime, Side(runtime, transports, layouts, port)
+
+
+def test_sync_facade_from_several_threads() -> None:
+    """Engines with their own loops: each side's loop runs in a background
+    thread; eight caller threads reserve and publish KV concurrently."""
+    import threading
+
+    from kvpush.runtime import SyncRuntime
+
+    sides: dict[str, Side] = {}
+
+    def setup(role: Role, name: str, tp: int):  # type: ignore[no-untyped-def]
+        async def make(stack: AsyncExitStack) -> object:
+            runtime, s = await build(stack, role, name, tp)
+            sides[name] = s
+            return runtime
+
+        return make
+
+    with (
+        SyncRuntime(setup(Role.PRODUCER, "prefill", 2)) as prod,
+        SyncRuntime(setup(Role.CONSUMER, "decode", 1)) as cons,
+    ):
+        consumer, producer = sides["decode"].runtime, sides["prefill"].runtime
+        cons.call(consumer.channel.add_route, "prefill", "127.0.0.1", sides["prefill"].port)  # type: ignore[attr-defined]
+        n = 8
+        src = {i: [2 * i, 2 * i + 1] for i in range(n)}
+        dst = {i: [31 - 2 * i, 30 - 2 * i] for i in range(n)}
+        fill(sides["prefill"], [b for i in range(n) for b in src[i]])  # 2 blocks each
+        errors: list[BaseException] = []
+        events: list[Event] = []  # every call returns the events drained so far
+
+        def client(i: int) -> None:
+            try:
+                _, ev = cons.call(consumer.reserve, f"req-{i}", "prefill", [dst[i]])  # type: ignore[attr-defined]
+                events.extend(ev)
+                prod.call(producer.kv_ready, f"req-{i}", [src[i]])  # type: ignore[attr-defined]
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert not errors
+        ready = {e.transfer_id for e in events if isinstance(e, Ready)}
+        deadline = 200
+        while len(ready) < n and deadline:
+            ready |= {e.transfer_id for e in cons.wait_events(0.05) if isinstance(e, Ready)}
+            deadline -= 1
+        assert ready == {f"req-{i}" for i in range(n)}
+        # fill() numbered tokens across the concatenated source blocks, so
+        # block k of request i holds tokens (2 i + k) * 16 onwards.
+        for t, layout in zip(sides["decode"].transports, sides["decode"].layouts, strict=True):
+            for r in layout.regions:
+                view = region_view(t.memory, r)
+                heads = r.head_start + np.arange(r.num_heads)
+                tok = np.arange(r.tokens_per_block)
+                for i in range(n):
+                    for k, b in enumerate(dst[i]):
+                        first = (2 * i + k) * r.tokens_per_block
+                        want = value(r.layer, r.kind, (first + tok)[None, :], heads[:, None])
+                        assert np.array_equal(
+                            view[b], np.broadcast_to(want[:, :, None], view[b].shape)
+                        )

@@ -41,24 +41,34 @@ class SyncRuntime(Generic[R]):
     ) -> None:
         self._cm = start_blocking_portal()
         self._portal: BlockingPortal = self._cm.__enter__()
-        self._stack = contextlib.AsyncExitStack()
+        self._stop: anyio.Event | None = None
         try:
-            self.runtime: R = self._portal.call(self._start, setup, start_timeout)
+            self._future, runtime = self._portal.start_task(self._serve, setup, start_timeout)
         except BaseException:
             self._cm.__exit__(None, None, None)
             raise
+        self.runtime: R = runtime
         self._closed = False
 
-    async def _start(
-        self, setup: Callable[[contextlib.AsyncExitStack], Coroutine[Any, Any, R]], timeout: float
-    ) -> R:
-        with anyio.fail_after(timeout):
-            await self._stack.__aenter__()
-            runtime = await setup(self._stack)
-            tg = await self._stack.enter_async_context(anyio.create_task_group())
-            await tg.start(runtime.run)
-            self._task_group = tg
-        return runtime
+    async def _serve(
+        self,
+        setup: Callable[[contextlib.AsyncExitStack], Coroutine[Any, Any, R]],
+        timeout: float,
+        *,
+        task_status: anyio.abc.TaskStatus[R],
+    ) -> None:
+        """One task owns everything the runtime entered, from start to stop."""
+        async with contextlib.AsyncExitStack() as stack:
+            # No timeout scope around setup: it enters contexts (task groups)
+            # that must outlive it.
+            runtime = await setup(stack)
+            async with anyio.create_task_group() as tg:
+                with anyio.fail_after(timeout):
+                    await tg.start(runtime.run)
+                self._stop = anyio.Event()
+                task_status.started(runtime)
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
 
     def call(self, fn: Callable[..., T], *args: Any) -> tuple[T, list[Event]]:
         """Run ``fn(*args)`` on the loop (e.g. ``runtime.reserve``); return its
@@ -88,14 +98,11 @@ class SyncRuntime(Generic[R]):
             return
         self._closed = True
         try:
-            self._portal.call(self._stop, timeout)
+            if self._stop is not None:
+                self._portal.call(self._stop.set)
+            self._future.result(timeout)
         finally:
             self._cm.__exit__(None, None, None)
-
-    async def _stop(self, timeout: float) -> None:
-        with anyio.fail_after(timeout):
-            self._task_group.cancel_scope.cancel()
-            await self._stack.aclose()
 
     def __enter__(self) -> SyncRuntime[R]:
         return self
