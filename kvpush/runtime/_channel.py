@@ -48,13 +48,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
 import secrets
 import socket
-from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import Final
 
@@ -65,15 +61,29 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvpush.protocol import (
-    MAX_ID_LEN,
     Codec,
     ConfigError,
     ControlMessage,
-    KvpushError,
     RemoteProtocolError,
     Timing,
 )
 
+from ._channel_peer import _Conn, _Outbox, _Peer
+from ._channel_types import (
+    Backoff,
+    ChannelBusy,
+    ChannelClosed,
+    ChannelEvent,
+    ChannelStatistics,
+    Garbage,
+    PeerConnected,
+    PeerLost,
+    PeerStatistics,
+    PeerUnreachable,
+    Received,
+    _check_name,
+    _positive,
+)
 from ._framing import (
     MAX_PREAMBLE_BYTES,
     Ack,
@@ -99,12 +109,11 @@ __all__ = (
     "Received",
 )
 
+
 log = logging.getLogger("kvpush.runtime.channel")
 
 #: Connections still in their preamble at once; more are closed unread.
 _MAX_HANDSHAKES: Final = 64
-#: A writer joins queued frames into one send of about this many bytes.
-_BATCH_BYTES: Final = 256 * 1024
 #: How long aclose() waits for the channel's tasks to finish (they are cancelled).
 _CLOSE_GRACE: Final = 2.0
 
@@ -117,338 +126,8 @@ _NET_ERRORS = (
 )
 
 
-# --- errors -------------------------------------------------------------------------
-
-
-class ChannelClosed(KvpushError):
-    """The channel is not open (not entered yet, or closed): nothing more is sent."""
-
-
-class ChannelBusy(KvpushError):
-    """The peer's send queue is full (``send_nowait``) or stayed full for
-    ``send_timeout`` seconds (``send``)."""
-
-
-class PeerUnreachable(KvpushError):
-    """No connection to the peer and no route to dial it (or it was lost)."""
-
-
-# --- configuration, events, statistics ------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    """Delays between dials: ``initial * factor**n`` capped at ``maximum``, each
-    scaled by a uniform factor in ``[1 - jitter, 1 + jitter]``."""
-
-    initial: float = 0.05
-    maximum: float = 2.0
-    factor: float = 2.0
-    jitter: float = 0.1
-
-    def __post_init__(self) -> None:
-        _positive("backoff initial", self.initial)
-        _positive("backoff maximum", self.maximum)
-        if self.maximum < self.initial:
-            raise ConfigError("backoff maximum must be >= initial")
-        if not isinstance(self.factor, (int, float)) or not 1 <= self.factor < math.inf:
-            raise ConfigError(f"backoff factor must be finite and >= 1, got {self.factor!r}")
-        if not isinstance(self.jitter, (int, float)) or not 0 <= self.jitter < 1:
-            raise ConfigError(f"backoff jitter must be in [0, 1), got {self.jitter!r}")
-
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        """The pause after failed attempt number ``attempt`` (0 for the first)."""
-        base = min(self.maximum, self.initial * self.factor ** min(attempt, 64))
-        return base * (1.0 + self.jitter * rng.uniform(-1.0, 1.0))
-
-
-@dataclass(frozen=True, slots=True)
-class Received:
-    """``peer`` sent ``message``."""
-
-    peer: str
-    message: ControlMessage
-
-
-@dataclass(frozen=True, slots=True)
-class PeerConnected:
-    """A connection to ``peer`` is up, and the peer was not (first contact, after
-    a :class:`PeerLost`, or a restarted peer). Not sent for a reconnect to the
-    same instance within ``peer_lost_after``."""
-
-    peer: str
-
-
-@dataclass(frozen=True, slots=True)
-class PeerLost:
-    """``peer`` is gone (feed the core ``peer_lost``); once per loss."""
-
-    peer: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Garbage:
-    """``peer`` sent a frame that was refused (counted, not delivered)."""
-
-    peer: str
-    error: RemoteProtocolError
-
-
-ChannelEvent = Received | PeerConnected | PeerLost | Garbage
-
-
-@dataclass(frozen=True, slots=True)
-class PeerStatistics:
-    """One peer's counters (frames, unless named otherwise)."""
-
-    #: A connection is established now.
-    connected: bool
-    #: Between PeerConnected and PeerLost.
-    up: bool
-    route: tuple[str, int] | None
-    queued: int
-    queued_bytes: int
-    sent: int
-    received: int
-    #: Older than ``max_age`` in the queue: dropped, never sent.
-    dropped_old: int
-    #: Queued when the peer was lost or restarted (or the channel closed).
-    discarded: int
-    #: Handed to a connection whose write then failed.
-    write_failures: int
-    #: Refused frames (the codec's errors and framing errors).
-    garbage: int
-    #: Connections established, and how many of them replaced an earlier one.
-    connects: int
-    reconnects: int
-    #: Dials that failed (refused, timed out, wrong peer, duplicate).
-    connect_failures: int
-
-
-@dataclass(frozen=True, slots=True)
-class ChannelStatistics:
-    """A snapshot of :meth:`ControlChannel.statistics`."""
-
-    name: str
-    open: bool
-    ports: tuple[int, ...]
-    peers: Mapping[str, PeerStatistics]
-    #: Connections dropped before they named a peer (bad preamble, timeout, excess).
-    handshake_failures: int
-    #: Garbage frames from every peer, including forgotten ones.
-    garbage: int
-    #: Frames discarded unsent with their peer forgotten, or at close.
-    discarded: int
-    events_queued: int
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
-
-
-def _check_name(what: str, name: object) -> str:
-    if not isinstance(name, str) or not name or len(name.encode()) > MAX_ID_LEN:
-        raise ConfigError(f"{what} must be a non-empty str of at most {MAX_ID_LEN} bytes")
-    return name
-
-
-# --- internals ------------------------------------------------------------------------
-
-
-class _Signal:
-    """Wake-ups without a level: ``waiter()`` returns an event set by the next ``fire()``.
-    Take the waiter before checking the condition, then wait: nothing is missed."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event: anyio.Event | None = None
-
-    def fire(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
-
-    def waiter(self) -> anyio.Event:
-        if self._event is None:
-            self._event = anyio.Event()
-        return self._event
-
-
-class _Outbox:
-    """A peer's bounded FIFO of (enqueue time, frame)."""
-
-    __slots__ = (
-        "_closed",
-        "_items",
-        "_max_bytes",
-        "_max_items",
-        "discarded",
-        "dropped_old",
-        "nbytes",
-        "space",
-    )
-
-    def __init__(self, max_items: int, max_bytes: int) -> None:
-        self._items: deque[tuple[float, bytes]] = deque()
-        self._max_items = max_items
-        self._max_bytes = max_bytes
-        self._closed: tuple[type[KvpushError], str] | None = None
-        self.nbytes = 0
-        self.dropped_old = 0
-        self.discarded = 0
-        self.space = _Signal()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def _fits(self, n: int) -> bool:
-        if not self._items:
-            return True
-        return len(self._items) < self._max_items and self.nbytes + n <= self._max_bytes
-
-    def put_nowait(self, frame: bytes, now: float, max_age: float) -> None:
-        if self._closed is not None:
-            cls, why = self._closed
-            raise cls(why)
-        if not self._fits(len(frame)):
-            self.expire(now, max_age)
-            if not self._fits(len(frame)):
-                raise ChannelBusy(f"send queue full ({len(self._items)} frames, {self.nbytes} B)")
-        self._items.append((now, frame))
-        self.nbytes += len(frame)
-
-    def next_expiry(self, max_age: float) -> float:
-        return self._items[0][0] + max_age if self._items else math.inf
-
-    def _pop(self) -> bytes:
-        _, frame = self._items.popleft()
-        self.nbytes -= len(frame)
-        return frame
-
-    def expire(self, now: float, max_age: float) -> None:
-        n = 0
-        while self._items and now - self._items[0][0] > max_age:
-            self._pop()
-            n += 1
-        if n:
-            self.dropped_old += n
-            self.space.fire()
-
-    def take(self, now: float, max_age: float) -> list[bytes]:
-        """Drop expired frames, then pop a batch (at least one frame if any)."""
-        self.expire(now, max_age)
-        out: list[bytes] = []
-        size = 0
-        while self._items and (not out or size + len(self._items[0][1]) <= _BATCH_BYTES):
-            frame = self._pop()
-            out.append(frame)
-            size += len(frame)
-        if out:
-            self.space.fire()
-        return out
-
-    def clear(self) -> int:
-        n = len(self._items)
-        self._items.clear()
-        self.nbytes = 0
-        self.discarded += n
-        self.space.fire()
-        return n
-
-    def close(self, cls: type[KvpushError], why: str) -> int:
-        """Refuse every later put (waiters wake and raise ``cls(why)``)."""
-        if self._closed is None:
-            self._closed = (cls, why)
-        return self.clear()
-
-
-class _Conn:
-    """One established (or being acknowledged) connection to a peer."""
-
-    __slots__ = ("closed", "conn_id", "instance", "lock", "receiver", "scope", "stream")
-
-    def __init__(
-        self,
-        stream: anyio.abc.SocketStream,
-        receiver: BufferedByteReceiveStream,
-        conn_id: int,
-        instance: int,
-    ) -> None:
-        self.stream = stream
-        self.receiver = receiver
-        self.conn_id = conn_id
-        self.instance = instance
-        self.closed = False
-        #: Held by whoever writes (the ack, then the writer's batches).
-        self.lock = anyio.Lock()
-        #: Cancels the reader when the connection is dropped.
-        self.scope = anyio.CancelScope()
-
-
-class _Peer:
-    """Everything known about one peer."""
-
-    __slots__ = (
-        "active",
-        "conn_changed",
-        "connect_failures",
-        "connects",
-        "down_reason",
-        "forgotten",
-        "garbage",
-        "gen",
-        "instance",
-        "last_conn_id",
-        "loss_armed",
-        "loss_scope",
-        "name",
-        "outbox",
-        "pending",
-        "received",
-        "route",
-        "sent",
-        "task_scope",
-        "up",
-        "wake",
-        "write_failures",
-    )
-
-    def __init__(self, name: str, route: tuple[str, int] | None, outbox: _Outbox) -> None:
-        self.name = name
-        self.route = route
-        self.outbox = outbox
-        self.active: _Conn | None = None
-        #: The conn id of our dial in flight, if any.
-        self.pending: int | None = None
-        self.instance: int | None = None
-        self.last_conn_id = 0
-        self.up = False
-        self.down_reason = ""
-        #: Bumped on every install: a loss timer of an older generation is void.
-        self.gen = 0
-        self.loss_armed = False
-        self.loss_scope: anyio.CancelScope | None = None
-        self.task_scope: anyio.CancelScope | None = None
-        self.forgotten = False
-        #: Anything changed: data queued, connection, route.
-        self.wake = _Signal()
-        #: The connection or the route changed.
-        self.conn_changed = _Signal()
-        self.sent = self.received = self.garbage = self.write_failures = 0
-        self.connects = self.connect_failures = 0
-
-    def notify_conn(self) -> None:
-        self.conn_changed.fire()
-        self.wake.fire()
-
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
-
-
-# --- the channel ----------------------------------------------------------------------
 
 
 class ControlChannel:
