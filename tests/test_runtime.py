@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import anyio
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpush.protocol import (
     Codec,
@@ -33,6 +34,7 @@ from kvpush.runtime import (
     ConsumerRuntime,
     ControlChannel,
     DataPlane,
+    EndpointMetrics,
     ProducerRuntime,
     Rank,
     ShmTransport,
@@ -186,6 +188,22 @@ async def test_transfers_over_tcp_and_shared_memory(
         assert cons.runtime.endpoint.reserved_blocks == 0
         assert prod.runtime.endpoint.held_blocks == 0
         assert not [e for e in seen if isinstance(e, Released)]
+        # The same events feed Prometheus metrics named like vLLM's.
+        registry = CollectorRegistry()
+        metrics = EndpointMetrics(prod.runtime.endpoint, prod.runtime.dataplane, registry=registry)
+        for e in pseen:
+            metrics.observe(e)
+        text = generate_latest(registry).decode()
+        assert (
+            'kvpush:transfers_total{engine="prefill",outcome="delivered",role="producer"} 1.0'
+            in text
+        )
+        assert 'kvpush:blocks{engine="prefill",kind="held",role="producer"} 0.0' in text
+        moved = registry.get_sample_value(
+            "kvpush:transfer_bytes_total", {"role": "producer", "engine": "prefill"}
+        )
+        assert moved is not None
+        assert (moved > 0) == (mode is Mode.PUSH)  # in pull the consumer moves the bytes
 
 
 async def build(stack: AsyncExitStack, role: Role, name: str, tp: int) -> tuple[object, Side]:

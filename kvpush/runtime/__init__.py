@@ -17,6 +17,7 @@ from ._channel import (
 )
 from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Rank
 from ._facade import SyncRuntime
+from ._metrics import EndpointMetrics
 from ._runtime import ConsumerRuntime, EndpointRuntime, ProducerRuntime, decode_rank, encode_rank
 from ._shm import ShmTransport
 from ._transport import Completed, Descriptors, Notice, Transport, TransportError
@@ -30,6 +31,7 @@ __all__ = (
     "ControlChannel",
     "DataPlane",
     "Descriptors",
+    "EndpointMetrics",
     "EndpointRuntime",
     "Garbage",
     "Notice",

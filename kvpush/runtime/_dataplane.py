@@ -105,6 +105,7 @@ class DataPlane:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.posted = 0
+        self.bytes_posted = 0
         self.failed_posts = 0
 
     # --- called from any thread ----------------------------------------------
@@ -230,6 +231,7 @@ class DataPlane:
             return f"not posted: {exc}"
         self._posted[(local_index, handle)] = action
         self.posted += 1
+        self.bytes_posted += int(plan.src[:, 1].sum())
         return None
 
     def _indices(self, peer: str, source: Source, consumer_rank: int) -> tuple[int, int]:

@@ -1,0 +1,130 @@
+"""What the router and its children say to each other over their pipes.
+
+One :func:`multiprocessing.Pipe` per child; messages are these small frozen
+dataclasses (pickled by the pipe). Times are ``time.monotonic()`` values, one
+clock for every process on the machine (Linux ``CLOCK_MONOTONIC``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = (
+    "Abort",
+    "ConsumerResult",
+    "Dispatch",
+    "Finish",
+    "LeaderError",
+    "LeaderUp",
+    "PeerUp",
+    "ProducerResult",
+    "RankUp",
+    "Route",
+    "Stats",
+    "Stop",
+)
+
+# --- router -> child -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """One leg of a request: decode reserves and registers, prefill computes."""
+
+    transfer_id: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Prefill: the decode leg ended without the KV; drop the transfer."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Decode: where the prefill leader's control channel listens."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Every request settled: answer with :class:`Stats`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Shut down cleanly (a closed pipe means the same)."""
+
+
+# --- child -> router -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankUp:
+    """A rank process created its segment."""
+
+    segment: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderUp:
+    """A leader attached its ranks' segments and listens on ``port``."""
+
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerUp:
+    """Decode: the handshake with the prefill completed."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderError:
+    """A leader hit an error it cannot go on from (it exits next)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerResult:
+    """Prefill: the source blocks of a transfer were released."""
+
+    transfer_id: str
+    #: A :class:`~kvpush.protocol.ReleaseOutcome` value, or "aborted" / "no_blocks"
+    #: when the transfer never reached the protocol.
+    outcome: str
+    registration_received: float | None
+    kv_ready: float | None
+    write_started: float | None
+    write_done: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerResult:
+    """Decode: a transfer ended (Ready and checked, or Failed and Released)."""
+
+    transfer_id: str
+    ok: bool
+    #: Why it failed ("" when ok).
+    reason: str
+    corrupt_blocks: int
+    reserved: float | None
+    #: The last completion notice (push) or read (pull) that landed.
+    write_done: float | None
+    ready: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """A leader's closing numbers."""
+
+    #: The endpoint's ``held_blocks`` (prefill) or ``reserved_blocks`` (decode).
+    endpoint_blocks: int
+    #: Blocks the leader's own pool still has out.
+    pool_blocks: int
+    frames_dropped: int
