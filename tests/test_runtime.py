@@ -94,26 +94,12 @@ class Side:
 async def side(
     stack: AsyncExitStack, role: Role, name: str, tp: int, tokens: int
 ) -> AsyncIterator[Side]:
-    codec = Codec(secret=SECRET)
-    layouts = [rank_layout(tp, r, tokens) for r in range(tp)]
-    size = max(r.base + r.num_blocks * r.stride for r in layouts[0].regions)
-    transports = [ShmTransport(f"{name}-r{r}", size, verify=True) for r in range(tp)]
-    for t in transports:
-        stack.callback(t.close)
-    dataplane = DataPlane(role, {r: Rank(transports[r], layouts[r]) for r in range(tp)}, tp, codec)
-    blobs = tuple(encode_rank(transports[r].metadata(), layouts[r]) for r in range(tp))
-    identity = Identity(name, 7, tp=tp, num_kv_heads=HEADS, layout=layouts[0], ranks=blobs)
-    channel = await stack.enter_async_context(ControlChannel(name, codec))
-    port = await channel.listen("127.0.0.1", 0)
-    runtime: ProducerRuntime | ConsumerRuntime
-    if role is Role.PRODUCER:
-        runtime = ProducerRuntime(Producer(ProducerConfig(identity)), channel, dataplane)
-    else:
-        runtime = ConsumerRuntime(Consumer(ConsumerConfig(identity)), channel, dataplane)
+    """One side, pumping: its transports, channel and runtime."""
+    runtime, s = await build(stack, role, name, tp, tokens, verify=True)
     tg = await stack.enter_async_context(anyio.create_task_group())
-    await tg.start(runtime.run)
+    await tg.start(runtime.run)  # type: ignore[attr-defined]
     stack.callback(tg.cancel_scope.cancel)
-    yield Side(runtime, transports, layouts, port)
+    yield s
 
 
 def fill(s: Side, blocks: list[int]) -> None:
@@ -206,12 +192,14 @@ async def test_transfers_over_tcp_and_shared_memory(
         assert (moved > 0) == (mode is Mode.PUSH)  # in pull the consumer moves the bytes
 
 
-async def build(stack: AsyncExitStack, role: Role, name: str, tp: int) -> tuple[object, Side]:
-    """Like ``side`` but leaves starting the pump to the caller (the facade)."""
+async def build(
+    stack: AsyncExitStack, role: Role, name: str, tp: int, tokens: int = 16, verify: bool = False
+) -> tuple[object, Side]:
+    """A side's parts, its pump not yet started (the caller or the facade starts it)."""
     codec = Codec(secret=SECRET)
-    layouts = [rank_layout(tp, r, 16) for r in range(tp)]
+    layouts = [rank_layout(tp, r, tokens) for r in range(tp)]
     size = max(r.base + r.num_blocks * r.stride for r in layouts[0].regions)
-    transports = [ShmTransport(f"{name}-r{r}", size) for r in range(tp)]
+    transports = [ShmTransport(f"{name}-r{r}", size, verify=verify) for r in range(tp)]
     for t in transports:
         stack.callback(t.close)
     dataplane = DataPlane(role, {r: Rank(transports[r], layouts[r]) for r in range(tp)}, tp, codec)
