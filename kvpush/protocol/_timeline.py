@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ._types import Source
 
 __all__ = ("Timeline", "TimelineBuilder")
 
 
-@dataclass(frozen=True, slots=True)
-class Timeline:
+class Timeline(NamedTuple):
     """Times (the ``now`` values the endpoint was given) of one transfer's phases.
+
+    Immutable; a named tuple because two are built per transfer and a tuple
+    builds in C (a frozen dataclass sets each field through Python).
 
     A consumer fills ``reserved``, ``registration_sent``, ``write_done`` (when a
     completion arrived), ``ready``/``failed`` and ``released``; a producer fills
@@ -31,13 +34,6 @@ class Timeline:
     ready: float | None = None
     failed: float | None = None
     released: float | None = None
-
-
-def _by_pair(item: tuple[tuple[Source, int], float]) -> tuple[int, int, int]:
-    """Sort key of a ``write_done`` item: the order of (source, consumer rank),
-    without calling the dataclass comparison methods of :class:`Source`."""
-    (source, rank), _ = item
-    return (source.tp, source.pp, rank)
 
 
 @dataclass(slots=True)
@@ -66,7 +62,7 @@ class TimelineBuilder:
             self.registration_received,
             self.kv_ready,
             self.write_started,
-            tuple(sorted(self.write_done.items(), key=_by_pair)),
+            tuple(sorted(self.write_done.items())),
             self.ready,
             self.failed,
             self.released,
