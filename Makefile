@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck check bench explore long clean
+.PHONY: test demo lint typecheck check bench explore long clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ test: $(STAMP)
 	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks
 	$(PY) -m mypy
 	$(PY) -m pytest -q
+
+# The main job: router + prefill + decode processes on loopback, bytes verified.
+demo: $(STAMP)
+	$(PY) -m kvpush demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks
@@ -36,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/core_lifecycle.py
 	$(PY) benchmarks/plan.py
 	$(PY) benchmarks/fuzz_codec.py --n 100000
+	$(PY) benchmarks/handoff.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -3,9 +3,10 @@
 Every ``head_bytes`` cell (one token of one head in one block of one region)
 gets an 8-byte *stamp* mixed from (run seed, transfer id, layer, K/V, block
 index within the request, global head, token within the block), repeated over
-the cell and XORed with a byte ramp, so a cell that lands in the wrong block,
-head, token, layer or K/V slot, or shifted inside its cell, no longer matches.
-Global heads make a TP reshard (2 -> 1, 1 -> 2) part of what is checked.
+the cell and XORed with a byte ramp (``head_bytes`` must be a multiple of 8).
+A cell that lands in the wrong block, head, token, layer or K/V slot, or
+shifted inside its cell, no longer matches. Global heads make a TP reshard
+(2 -> 1, 1 -> 2) part of what is checked.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ def _mix(x: U64) -> U64:
     return out
 
 
-def _expected(region: Region, nblocks: int, seed: int) -> U8:
-    """The ``(nblocks, heads, tokens, head_bytes)`` cells of blocks 0 .. nblocks-1
-    of a request in ``region``."""
+def _expected(region: Region, nblocks: int, seed: int) -> U64:
+    """The cells of blocks 0 .. nblocks-1 of a request in ``region``, as
+    ``(nblocks, heads, tokens, head_bytes // 8)`` little-endian words."""
+    if region.head_bytes % 8:
+        raise ValueError("the demo's pattern needs head_bytes to be a multiple of 8")
     kind = sum(region.kind.encode())
     base = _mix_int(seed ^ _mix_int(region.layer * 1_000_003 + kind))
     i = np.arange(nblocks, dtype=np.uint64)[:, None, None]
@@ -60,12 +63,8 @@ def _expected(region: Region, nblocks: int, seed: int) -> U8:
     t = np.arange(region.tokens_per_block, dtype=np.uint64)[None, None, :]
     x = np.uint64(base) + i * np.uint64(_BLOCK) + h[None, :, None] * np.uint64(_HEAD)
     stamps = _mix(x + t * np.uint64(_TOKEN))
-    cells = stamps[..., None].view(np.uint8)  # (n, heads, tokens, 8)
-    hb = region.head_bytes
-    reps = -(-hb // 8)
-    tiled = np.tile(cells, (1, 1, 1, reps))[..., :hb]
-    ramp = (np.arange(hb, dtype=np.uint32) * 131 % 256).astype(np.uint8)
-    out: U8 = tiled ^ ramp
+    ramp = (np.arange(region.head_bytes, dtype=np.uint32) * 131 % 256).astype(np.uint8)
+    out: U64 = stamps[..., None] ^ ramp.view(np.uint64)
     return out
 
 
@@ -85,7 +84,7 @@ def fill(memory: U8, layout: KVLayout, blocks: Sequence[int], seed: int) -> None
     """Write the request's KV: its ``i``-th block is ``blocks[i]``."""
     ids = np.asarray(blocks, dtype=np.intp)
     for region in layout.regions:
-        _view(memory, region)[ids] = _expected(region, len(ids), seed)
+        _view(memory, region)[ids] = _expected(region, len(ids), seed).view(np.uint8)
 
 
 def corrupt_blocks(memory: U8, layout: KVLayout, blocks: Sequence[int], seed: int) -> set[int]:
@@ -94,7 +93,7 @@ def corrupt_blocks(memory: U8, layout: KVLayout, blocks: Sequence[int], seed: in
     ids = np.asarray(blocks, dtype=np.intp)
     bad: set[int] = set()
     for region in layout.regions:
-        got = _view(memory, region)[ids]
+        got = _view(memory, region)[ids].view(np.uint64)  # a copy: contiguous
         diff = (got != _expected(region, len(ids), seed)).reshape(len(ids), -1).any(axis=1)
         bad.update(int(i) for i in np.flatnonzero(diff))
     return bad

@@ -1,7 +1,8 @@
-"""What the router and its children say to each other over their pipes.
+"""What the router, the leaders and the ranks say to each other over pipes.
 
-One :func:`multiprocessing.Pipe` per child; messages are these small frozen
-dataclasses (pickled by the pipe). Times are ``time.monotonic()`` values, one
+One :func:`multiprocessing.Pipe` from the router to each child, and one from
+each leader to each of its ranks; messages are these small frozen dataclasses
+(pickled by the pipe). Times are ``time.monotonic()`` values, one
 clock for every process on the machine (Linux ``CLOCK_MONOTONIC``).
 """
 
@@ -11,13 +12,16 @@ from dataclasses import dataclass
 
 __all__ = (
     "Abort",
+    "Check",
     "ConsumerResult",
     "Dispatch",
+    "Fill",
     "Finish",
     "LeaderError",
     "LeaderUp",
     "PeerUp",
     "ProducerResult",
+    "RankReply",
     "RankUp",
     "Route",
     "Stats",
@@ -58,6 +62,33 @@ class Finish:
 @dataclass(frozen=True, slots=True)
 class Stop:
     """Shut down cleanly (a closed pipe means the same)."""
+
+
+# --- leader -> rank, and back ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """Prefill rank: write the pattern of request ``seed`` into ``blocks``."""
+
+    blocks: tuple[int, ...]
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Decode rank: compare ``blocks`` with the pattern of request ``seed``."""
+
+    blocks: tuple[int, ...]
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankReply:
+    """A rank did what it was asked (answers come in the order asked)."""
+
+    #: Check: indices (within the request) of the blocks that differ.
+    corrupt: tuple[int, ...] = ()
 
 
 # --- child -> router -------------------------------------------------------------
@@ -128,3 +159,7 @@ class Stats:
     #: Blocks the leader's own pool still has out.
     pool_blocks: int
     frames_dropped: int
+    #: Seconds the leader's loop spent in protocol calls for requests (decode:
+    #: reserve and handling Ready), and how many requests that covered.
+    caller_seconds: float = 0.0
+    caller_requests: int = 0

@@ -1,0 +1,96 @@
+"""Push against pull, side by side in one run, through the real demo.
+
+Runs ``kvpush demo --json`` once per mode with the same settings and seed and
+prints one JSON object: ``push_overhead_ms_p50``, ``pull_overhead_ms_p50``
+(KV ready at prefill -> ready at decode, minus a raw copy of the same bytes
+measured in the same run), their ratio, and ``decode_caller_us_per_request``
+(time the decode loop spends in protocol calls per request, push).
+
+    python benchmarks/handoff.py [--requests 64] [--rounds 3] [--transport memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+
+def run_demo(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpush",
+        "demo",
+        "--json",
+        "--mode",
+        mode,
+        "--transport",
+        args.transport,
+        "--requests",
+        str(args.requests),
+        "--qps",
+        str(args.qps),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--seed",
+        "7",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"demo failed ({mode}): {out.stderr.strip()[-2000:]}")
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--qps", type=float, default=50.0)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--transport", default="memory")
+    args = parser.parse_args()
+    runs: dict[str, list[dict[str, Any]]] = {"push": [], "pull": []}
+    for _ in range(args.rounds):  # interleaved, so both modes see the same noise
+        for mode in ("push", "pull"):
+            runs[mode].append(run_demo(mode, args))
+
+    def med(mode: str, *path: str) -> float:
+        values = []
+        for r in runs[mode]:
+            v: Any = r
+            for key in path:
+                v = v[key]
+            values.append(float(v))
+        return round(statistics.median(values), 4)
+
+    push = med("push", "handoff_overhead_ms", "p50")
+    pull = med("pull", "handoff_overhead_ms", "p50")
+    print(
+        json.dumps(
+            {
+                "push_overhead_ms_p50": push,
+                "pull_overhead_ms_p50": pull,
+                "push_over_pull": round(push / pull, 3) if pull else None,
+                "decode_caller_us_per_request": med("push", "decode_caller_us_per_request"),
+                "pull_decode_caller_us_per_request": med("pull", "decode_caller_us_per_request"),
+                "push_ttft_ms_p50": med("push", "ttft_ms", "p50"),
+                "pull_ttft_ms_p50": med("pull", "ttft_ms", "p50"),
+                "raw_copy_ms_per_request": med("push", "raw_copy_ms_per_request"),
+                "corrupt_blocks": sum(r["corrupt_blocks"] for rs in runs.values() for r in rs),
+                "leaked_blocks": sum(r["leaked_blocks"] for rs in runs.values() for r in rs),
+                "rounds": args.rounds,
+                "requests": args.requests,
+                "transport": args.transport,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""``kvpush demo``: the arguments, the progress bar and the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from kvpush.protocol import Mode
+
+from ._model import DEFAULT_MAX_MEMORY_MIB, MODELS, DemoError
+from ._report import problems, render, summarize
+from ._router import DemoConfig, Router
+
+__all__ = ("add_arguments", "run")
+
+_DEFAULTS = DemoConfig()
+
+#: Exit statuses: the run passed its own checks / did not / bad usage / interrupted.
+OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``demo`` subcommand's options."""
+    add = parser.add_argument
+    add(
+        "--mode",
+        choices=[m.value for m in Mode],
+        default=_DEFAULTS.mode.value,
+        help="push: the prefill writes into the decode's blocks; pull: the decode reads "
+        "(default: %(default)s)",
+    )
+    add(
+        "--transport",
+        choices=["memory", "nixl"],
+        default=_DEFAULTS.transport,
+        help="memory: POSIX shared memory between the processes (nixl: not available yet)",
+    )
+    add(
+        "--requests",
+        type=_positive_int,
+        default=_DEFAULTS.requests,
+        help="requests to run (default: %(default)s)",
+    )
+    add(
+        "--qps",
+        type=float,
+        default=_DEFAULTS.qps,
+        help="Poisson arrival rate; 0 dispatches as fast as free blocks allow "
+        "(default: %(default)s)",
+    )
+    add(
+        "--prompt-tokens",
+        type=_positive_int,
+        default=_DEFAULTS.prompt_tokens,
+        help="prompt length of every request (default: %(default)s)",
+    )
+    add(
+        "--tp-prefill",
+        type=_positive_int,
+        default=_DEFAULTS.tp_prefill,
+        help="tensor-parallel ranks of the prefill instance (default: %(default)s)",
+    )
+    add(
+        "--tp-decode",
+        type=_positive_int,
+        default=_DEFAULTS.tp_decode,
+        help="tensor-parallel ranks of the decode instance (default: %(default)s)",
+    )
+    add(
+        "--model",
+        choices=sorted(MODELS),
+        default=_DEFAULTS.model,
+        help="KV shape: small (4 layers, 8 KV heads, head_dim 64, fp16) or qwen3-32b "
+        "(64 layers, 8 KV heads, head_dim 128, bf16: 256 KiB per token) "
+        "(default: %(default)s)",
+    )
+    add(
+        "--compute-us-per-token",
+        type=float,
+        default=_DEFAULTS.compute_us_per_token,
+        help="simulated prefill time per prompt token, microseconds (default: %(default)s)",
+    )
+    add(
+        "--max-memory-mib",
+        type=_positive_int,
+        default=DEFAULT_MAX_MEMORY_MIB,
+        help="cap on the KV memory of both instances together; the block pool holds "
+        "--requests prompts at once, or as many as fit (default: %(default)s)",
+    )
+    add(
+        "--timeout",
+        type=float,
+        default=_DEFAULTS.timeout,
+        help="give up when no request settles for this many seconds (default: %(default)s)",
+    )
+    add(
+        "--seed",
+        type=int,
+        default=_DEFAULTS.seed,
+        help="seeds arrivals, block placement and the KV pattern (default: %(default)s)",
+    )
+    add(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout instead of the progress bar and table",
+    )
+    add(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on 127.0.0.1: decode leader on PORT, prefill on PORT+1",
+    )
+
+
+class _Quiet:
+    """--json: the process line on stderr, nothing else."""
+
+    def started(self, processes: str) -> None:
+        print(f"kvpush demo: {processes}", file=sys.stderr, flush=True)
+
+    def settled(self, ok: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Bar:
+    """A rich progress bar on stderr."""
+
+    def __init__(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.console = Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("requests"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("failed {task.fields[failed]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self.task = self.progress.add_task("requests", total=total, failed=0)
+        self.failed = 0
+
+    def started(self, processes: str) -> None:
+        self.console.print(f"kvpush demo: {processes}", highlight=False)
+        self.progress.start()
+
+    def settled(self, ok: bool) -> None:
+        self.failed += not ok
+        self.progress.update(self.task, advance=1, failed=self.failed)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo as ``args`` say; returns the exit status."""
+    if args.transport == "nixl":
+        print(
+            "kvpush demo: --transport nixl is not available yet (the NIXL adapter lands "
+            "later); use --transport memory",
+            file=sys.stderr,
+        )
+        return USAGE
+    cfg = DemoConfig(
+        mode=Mode(args.mode),
+        transport=args.transport,
+        requests=args.requests,
+        qps=args.qps,
+        prompt_tokens=args.prompt_tokens,
+        tp_prefill=args.tp_prefill,
+        tp_decode=args.tp_decode,
+        seed=args.seed,
+        model=args.model,
+        compute_us_per_token=args.compute_us_per_token,
+        max_memory_mib=args.max_memory_mib,
+        timeout=args.timeout,
+        metrics_port=args.metrics_port,
+    )
+    if not args.json and importlib.util.find_spec("rich") is None:
+        print(
+            "kvpush demo: the progress bar and the table need rich: "
+            "pip install 'kvpush[demo]' (or use --json)",
+            file=sys.stderr,
+        )
+        return USAGE
+    observer: _Quiet | _Bar = _Quiet() if args.json else _Bar(cfg.requests)
+    try:
+        router = Router(cfg, observer)
+    except DemoError as exc:
+        return _fail(cfg, args.json, str(exc), USAGE)
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _on_sigterm) if main else None  # stop like Ctrl-C
+    error, status = "", OK
+    try:
+        result = router.run()
+    except DemoError as exc:
+        error, status = str(exc), FAILED
+    except KeyboardInterrupt:
+        error, status = "interrupted; stopped every child process", INTERRUPTED
+    finally:
+        try:
+            leftovers = router.shutdown()
+        finally:
+            observer.close()
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
+    if error:
+        return _fail(cfg, args.json, error, status)
+    result.leftovers = leftovers
+    summary = summarize(cfg, router.model, result)
+    failures = problems(summary)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        from rich.console import Console
+
+        Console().print(render(summary))
+    if failures:
+        print(f"kvpush demo: FAILED: {'; '.join(failures)}", file=sys.stderr)
+        return FAILED
+    return OK
+
+
+def _fail(cfg: DemoConfig, as_json: bool, error: str, status: int) -> int:
+    print(f"kvpush demo: error: {error}", file=sys.stderr, flush=True)
+    if as_json:
+        out: dict[str, Any] = {
+            "mode": cfg.mode.value,
+            "transport": cfg.transport,
+            "requests": cfg.requests,
+            "error": error,
+        }
+        print(json.dumps(out), flush=True)
+    return status

@@ -1,0 +1,222 @@
+"""The numbers of a run: the per-request phase timeline, as percentiles.
+
+Phases, from the prefill's and the decode's timelines (their clocks are the
+same ``time.monotonic()``) and the router's dispatch time:
+
+* registration: decode reserved -> prefill received the registration
+* compute: dispatch -> ``kv_ready`` (the simulated prefill, pattern written)
+* handoff prep: ``kv_ready`` -> the first write started (push) or the Announce
+  went out (pull); 0 when the registration was already there, longer when it
+  came late
+* transfer: that moment -> the last write done, as the prefill's transport
+  reported it (push), or the decode's last read done (pull: this includes the
+  Announce's trip)
+* ready: that -> the decode's ``Ready`` (push: the completion notices reach
+  the decode and its endpoint settles every rank pair)
+* ttft: dispatch -> ``Ready``
+
+``handoff_overhead`` is ``(ready - kv_ready)`` minus the transfer phase: what
+the handoff costs on top of moving the bytes. Only completed requests count.
+
+``bytes`` is the KV of the completed requests (whole blocks, every layer and
+head: what crossed between the instances); ``gbps`` is that in gigabits per
+second over the run's wall time (first dispatch to last request settled), so
+with ``--qps`` it follows the arrival rate. ``leaked_blocks`` adds, at the
+end, the prefill endpoint's ``held_blocks``, the decode endpoint's
+``reserved_blocks`` and the blocks either leader's own pool still has out.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._model import ModelShape
+from ._router import DemoConfig, Record, RunResult
+
+__all__ = ("PHASES", "percentiles", "problems", "render", "summarize")
+
+#: (key, label) of each phase, in timeline order.
+PHASES: tuple[tuple[str, str], ...] = (
+    ("registration", "registration"),
+    ("compute", "compute (prefill)"),
+    ("handoff_prep", "handoff preparation"),
+    ("transfer", "transfer"),
+    ("ready", "ready"),
+    ("ttft", "TTFT (dispatch -> ready)"),
+    ("handoff_overhead", "handoff overhead"),
+)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """p50/p95/p99 (linear interpolation), ``None`` without values."""
+    if not values:
+        return {"p50": None, "p95": None, "p99": None}
+    xs = sorted(values)
+
+    def at(q: float) -> float:
+        pos = q * (len(xs) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 4)
+
+    return {"p50": at(0.50), "p95": at(0.95), "p99": at(0.99)}
+
+
+def _ms(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else (b - a) * 1e3
+
+
+def raw_copy_ms(nbytes: int, repeats: int = 5) -> float:
+    """Median time of one plain memory copy of ``nbytes`` (the pure transfer
+    time the handoff overhead is measured against), taken in the same run."""
+    src = np.ones(max(nbytes, 1), dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in first
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def _phases(rec: Record, raw_ms: float) -> dict[str, float | None]:
+    p, c = rec.producer, rec.consumer
+    assert p is not None and c is not None
+    # The data is there when the consumer sees the last notice (push) or read
+    # (pull): the producer's own completion can come later than that.
+    landed = c.write_done if c.write_done is not None else p.write_done
+    transfer = _ms(p.write_started, landed)
+    end_to_end = _ms(p.kv_ready, c.ready)
+    return {
+        "registration": _ms(c.reserved, p.registration_received),
+        "compute": _ms(rec.dispatched, p.kv_ready),
+        "handoff_prep": _ms(p.kv_ready, p.write_started),
+        "transfer": transfer,
+        "ready": _ms(landed, c.ready),
+        "ttft": _ms(rec.dispatched, c.ready),
+        # KV ready at prefill -> ready at decode, minus a raw copy of the bytes.
+        "handoff_overhead": None if end_to_end is None else end_to_end - raw_ms,
+    }
+
+
+def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str, Any]:
+    """The run as one JSON-able object."""
+    done = [r for r in result.records if r.producer and r.consumer]
+    ok = [r for r in done if r.consumer and r.consumer.ok]
+    reasons: Counter[str] = Counter()
+    for r in done:
+        assert r.producer is not None and r.consumer is not None
+        if not r.consumer.ok:
+            reasons[f"decode: {r.consumer.reason}"] += 1
+        if r.producer.outcome != "delivered":
+            reasons[f"prefill: {r.producer.outcome}"] += 1
+    samples: dict[str, list[float]] = {key: [] for key, _ in PHASES}
+    per_request = result.plan.blocks_per_request * model.block_bytes
+    raw_ms = raw_copy_ms(per_request)
+    for r in ok:
+        for key, value in _phases(r, raw_ms).items():
+            if value is not None:
+                samples[key].append(value)
+    nbytes = len(ok) * result.plan.blocks_per_request * model.block_bytes
+    leaked = sum(s.endpoint_blocks + s.pool_blocks for s in result.stats.values())
+    return {
+        "mode": cfg.mode.value,
+        "transport": cfg.transport,
+        "model": model.name,
+        "kv_bytes_per_token": model.token_bytes,
+        "prompt_tokens": cfg.prompt_tokens,
+        "tp_prefill": cfg.tp_prefill,
+        "tp_decode": cfg.tp_decode,
+        "qps": cfg.qps,
+        "seed": cfg.seed,
+        "requests": cfg.requests,
+        "completed": len(ok),
+        "failed": cfg.requests - len(ok),
+        "failure_reasons": dict(sorted(reasons.items())),
+        "corrupt_blocks": sum(r.consumer.corrupt_blocks for r in ok if r.consumer),
+        "ttft_ms": percentiles(samples["ttft"]),
+        "handoff_overhead_ms": percentiles(samples["handoff_overhead"]),
+        "phases_ms": {key: percentiles(samples[key]) for key, _ in PHASES},
+        "bytes": nbytes,
+        "wall_s": round(result.wall, 4),
+        "gbps": round(nbytes * 8 / 1e9 / result.wall, 4) if result.wall > 0 else 0.0,
+        "leaked_blocks": leaked,
+        "leftover_segments": len(result.leftovers),
+        "pool_blocks": result.plan.num_blocks,
+        "max_in_flight": result.plan.slots,
+        "frames_dropped": sum(s.frames_dropped for s in result.stats.values()),
+        "decode_caller_us_per_request": _caller_us(result),
+        "raw_copy_ms_per_request": round(raw_ms, 4),
+    }
+
+
+def _caller_us(result: RunResult) -> float | None:
+    """Decode loop time in protocol calls per request (reserve + handling Ready)."""
+    seconds = sum(s.caller_seconds for s in result.stats.values())
+    requests = max((s.caller_requests for s in result.stats.values()), default=0)
+    return round(seconds / requests * 1e6, 2) if requests else None
+
+
+def problems(summary: dict[str, Any]) -> list[str]:
+    """What makes the run a failure (empty: it passed its own checks)."""
+    out = []
+    if summary["completed"] != summary["requests"]:
+        out.append(f"{summary['failed']} of {summary['requests']} requests failed")
+    for key, what in (
+        ("corrupt_blocks", "corrupt blocks"),
+        ("leaked_blocks", "leaked blocks"),
+        ("leftover_segments", "leftover shared-memory segments"),
+    ):
+        if summary[key]:
+            out.append(f"{summary[key]} {what}")
+    return out
+
+
+def render(summary: dict[str, Any]) -> Any:
+    """A rich renderable: the phase table and the totals."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    title = Text(
+        f"kvpush demo: {summary['mode']} over {summary['transport']}, {summary['model']} "
+        f"({summary['kv_bytes_per_token'] / 1024:,.0f} KiB of KV per token), "
+        f"TP {summary['tp_prefill']} -> {summary['tp_decode']}, "
+        f"{summary['prompt_tokens']} tokens per request",
+        style="bold",
+    )
+    table = Table()
+    table.add_column("phase (ms)")
+    for q in ("p50", "p95", "p99"):
+        table.add_column(q, justify="right")
+    for key, label in PHASES:
+        row = summary["phases_ms"][key]
+        table.add_row(label, *(_fmt(row[q]) for q in ("p50", "p95", "p99")))
+    totals = Table.grid(padding=(0, 2))
+    totals.add_column()
+    totals.add_column(justify="right")
+    mib = summary["bytes"] / (1 << 20)
+    reasons = ", ".join(f"{k} x{v}" for k, v in summary["failure_reasons"].items())
+    rows = [
+        ("requests", f"{summary['completed']} / {summary['requests']} completed"),
+        ("failed", f"{summary['failed']}" + (f" ({reasons})" if reasons else "")),
+        ("corrupt blocks", str(summary["corrupt_blocks"])),
+        ("leaked blocks", str(summary["leaked_blocks"])),
+        ("bytes moved", f"{mib:,.1f} MiB"),
+        ("throughput", f"{summary['gbps']:.3f} Gbit/s over {summary['wall_s']:.2f} s"),
+        ("in flight at most", f"{summary['max_in_flight']} ({summary['pool_blocks']} blocks/side)"),
+    ]
+    for k, v in rows:
+        totals.add_row(k, v)
+    return Group(title, table, totals)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -1,0 +1,222 @@
+"""``kvpush demo`` end to end, as a subprocess (``python -m kvpush demo --json``):
+push and pull, TP 1->1, 2->1 and 1->2, every block checked; and a prefill
+leader killed mid-run, which must end the demo quickly, with a clear message,
+no process left behind and no shared memory of the run left in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpush.cli import main
+from kvpush.demo import MODELS, DemoError
+from kvpush.demo._model import SideGeometry, plan_pool
+from kvpush.demo._pattern import corrupt_blocks, fill, request_seed
+from kvpush.demo._report import percentiles
+
+ROOT = Path(__file__).resolve().parent.parent
+SHM = Path("/dev/shm")
+RUN_LINE = re.compile(
+    r"run (?P<prefix>kvpd\w+): router pid (?P<router>\d+), prefill leader pid (?P<pl>\d+) "
+    r"\(ranks (?P<pr>[\d,]+)\), decode leader pid (?P<dl>\d+) \(ranks (?P<dr>[\d,]+)\)"
+)
+
+
+def _run_info(stderr: str) -> tuple[str, dict[str, list[int]]]:
+    m = RUN_LINE.search(stderr)
+    assert m, stderr
+    pids = {
+        "prefill leader": [int(m["pl"])],
+        "decode leader": [int(m["dl"])],
+        "prefill ranks": [int(p) for p in m["pr"].split(",")],
+        "decode ranks": [int(p) for p in m["dr"].split(",")],
+    }
+    return m["prefix"], pids
+
+
+def _alive(pid: int) -> bool:
+    """A live (not zombie) process of ours with that pid (psutil-free: /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state != "Z" and b"multiprocessing" in cmdline
+
+
+def _assert_clean(prefix: str, pids: dict[str, list[int]]) -> None:
+    deadline = time.monotonic() + 2.0  # the children were joined; allow for /proc lag
+    while True:
+        left = [(what, p) for what, ps in pids.items() for p in ps if _alive(p)]
+        segments = sorted(p.name for p in SHM.glob(prefix + "*"))
+        if (not left and not segments) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert left == []
+    assert segments == []
+
+
+def _demo(*args: str, timeout: float = 60) -> tuple[dict[str, object], str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpush", "demo", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    return json.loads(lines[0]), proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(("tp_prefill", "tp_decode"), [(1, 1), (2, 1), (1, 2)])
+def test_demo_hands_off_and_checks_every_block(mode: str, tp_prefill: int, tp_decode: int) -> None:
+    n, tokens = 6, 200  # 13 blocks, the last one partly used
+    out, stderr = _demo(
+        "--mode", mode, "--tp-prefill", str(tp_prefill), "--tp-decode", str(tp_decode),
+        "--requests", str(n), "--qps", "0", "--prompt-tokens", str(tokens), "--seed", "7",
+    )  # fmt: skip
+    assert out["mode"] == mode and out["transport"] == "memory"
+    assert (out["tp_prefill"], out["tp_decode"]) == (tp_prefill, tp_decode)
+    assert out["requests"] == out["completed"] == n
+    assert out["failed"] == 0 and out["failure_reasons"] == {}
+    assert out["corrupt_blocks"] == 0
+    assert out["leaked_blocks"] == 0
+    model = MODELS["small"]
+    assert out["bytes"] == n * math.ceil(tokens / 16) * model.block_bytes
+    ttft, overhead = out["ttft_ms"], out["handoff_overhead_ms"]
+    assert isinstance(ttft, dict) and isinstance(overhead, dict)
+    assert 0 < ttft["p50"] <= ttft["p95"] <= ttft["p99"]
+    assert overhead["p50"] is not None
+    assert isinstance(out["gbps"], float) and out["gbps"] > 0
+    _assert_clean(*_run_info(stderr))
+
+
+class _Background:
+    """The demo in the background, its stderr in a file."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.err_path = tmp / "stderr.txt"
+        with self.err_path.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvpush", "demo", "--json", *args],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                cwd=ROOT,
+                start_new_session=True,  # its own process group, as under a shell
+            )
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def wait_for_run_line(self) -> tuple[str, dict[str, list[int]]]:
+        deadline = time.monotonic() + 30
+        while not RUN_LINE.search(self.stderr):
+            assert self.proc.poll() is None, self.stderr
+            assert time.monotonic() < deadline, self.stderr
+            time.sleep(0.05)
+        return _run_info(self.stderr)
+
+    def finish(self, timeout: float) -> str:
+        try:
+            stdout, _ = self.proc.communicate(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        return stdout
+
+
+LONG_RUN = ("--requests", "100000", "--qps", "40", "--max-memory-mib", "32")
+
+
+def test_killing_the_prefill_leader_ends_the_demo_cleanly(tmp_path: Path) -> None:
+    demo = _Background(tmp_path, *LONG_RUN)
+    prefix, pids = demo.wait_for_run_line()
+    time.sleep(0.5)  # mid-run: requests are flowing
+    assert demo.proc.poll() is None
+    os.kill(pids["prefill leader"][0], signal.SIGKILL)
+    killed = time.monotonic()
+    stdout = demo.finish(timeout=20)
+    assert time.monotonic() - killed < 10
+    assert demo.proc.returncode == 1
+    stderr = demo.stderr
+    assert "prefill leader" in stderr and "exited unexpectedly (killed by SIGKILL)" in stderr
+    assert "Traceback" not in stderr
+    assert "error" in json.loads(stdout.strip().splitlines()[-1])
+    _assert_clean(prefix, pids)
+
+
+def test_ctrl_c_ends_the_demo_cleanly(tmp_path: Path) -> None:
+    demo = _Background(tmp_path, *LONG_RUN)
+    prefix, pids = demo.wait_for_run_line()
+    time.sleep(0.3)
+    os.killpg(demo.proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    demo.finish(timeout=20)
+    assert demo.proc.returncode == 130
+    assert "interrupted" in demo.stderr
+    assert "Traceback" not in demo.stderr
+    _assert_clean(prefix, pids)
+
+
+# --- the pieces, in process ----------------------------------------------------------
+
+
+def test_the_pattern_catches_a_flipped_byte_and_a_wrong_request() -> None:
+    geo = SideGeometry(MODELS["small"], tp=2, num_blocks=8)
+    layout = geo.layout(1)  # heads 4..7
+    memory = np.zeros(geo.segment_bytes, dtype=np.uint8)
+    blocks, seed = [5, 2, 7], request_seed(0, "req-1")
+    fill(memory, layout, blocks, seed)
+    assert corrupt_blocks(memory, layout, blocks, seed) == set()
+    assert corrupt_blocks(memory, layout, blocks, request_seed(0, "req-2")) == {0, 1, 2}
+    assert corrupt_blocks(memory, geo.layout(0), blocks, seed) == {0, 1, 2}  # other heads
+    v = layout.regions[5]
+    memory[v.base + 2 * v.stride + v.block_len - 1] ^= 1  # the last byte of block 2
+    assert corrupt_blocks(memory, layout, blocks, seed) == {1}
+
+
+def test_qwen3_shape_and_the_memory_cap() -> None:
+    qwen = MODELS["qwen3-32b"]
+    assert qwen.token_bytes == 64 * 2 * 8 * 128 * 2 == 256 * 1024
+    plan = plan_pool(qwen, prompt_tokens=512, requests=32, max_bytes=512 << 20)
+    assert plan.blocks_per_request == 32 and plan.slots == 2
+    assert plan.total_bytes <= 512 << 20
+    with pytest.raises(DemoError, match=r"over the 512\.0 MiB memory cap"):
+        plan_pool(qwen, prompt_tokens=4096, requests=1, max_bytes=512 << 20)
+    with pytest.raises(DemoError, match="does not divide"):
+        SideGeometry(qwen, tp=3, num_blocks=1)
+
+
+def test_percentiles() -> None:
+    assert percentiles([]) == {"p50": None, "p95": None, "p99": None}
+    assert percentiles([3.0, 1.0, 2.0]) == {"p50": 2.0, "p95": 2.9, "p99": 2.98}
+
+
+def test_nixl_is_refused_with_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--transport", "nixl"]) == 2
+    assert "--transport nixl is not available yet" in capsys.readouterr().err
+
+
+def test_a_pool_over_the_cap_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--json", "--model", "qwen3-32b", "--prompt-tokens", "8192"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "raise --max-memory-mib" in captured.err
+    assert "error" in json.loads(captured.out)
