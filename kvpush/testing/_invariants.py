@@ -14,16 +14,20 @@ from kvpush.protocol import (
     Abort,
     Completion,
     Failed,
+    Mode,
     Output,
     Ready,
     Register,
+    Rejected,
     Released,
     Send,
+    Settled,
     SourceReleased,
     StartRead,
     StartWrite,
     Topology,
     Withdraw,
+    WriteFailed,
 )
 
 __all__ = ("InvariantChecker", "InvariantViolation")
@@ -46,6 +50,10 @@ class _Res:
     ended: str | None = None  # "ready" | "released"
     failed: bool = False
     notices: set[tuple[object, int]] = field(default_factory=set)
+    pull: bool = False
+    #: The producer promised nothing of this epoch can land (Settled/Rejected).
+    promised: bool = False
+    write_failed: set[tuple[object, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -108,6 +116,17 @@ class InvariantChecker:
             else:
                 self.producer_withdrawn.add((message.transfer_id, message.epoch))
 
+    def consumer_received(self, message: object) -> None:
+        """A control message reached the consumer."""
+        key = (getattr(message, "transfer_id", None), getattr(message, "epoch", None))
+        rec = self.res.get(key)  # type: ignore[arg-type]
+        if rec is None:
+            return
+        if isinstance(message, (Settled, Rejected)):
+            rec.promised = True
+        elif isinstance(message, WriteFailed):
+            rec.write_failed.add((message.source, message.consumer_rank))
+
     def notice_delivered(self, notice: Completion) -> None:
         rec = self.res.get((notice.transfer_id, notice.epoch))
         if rec is not None and rec.ended is None:
@@ -117,7 +136,9 @@ class InvariantChecker:
 
     def consumer_output(self, now: float, out: Output) -> None:
         if isinstance(out, Send) and isinstance(out.message, Register):
-            self.res[(out.message.transfer_id, out.message.epoch)].registered = True
+            rec = self.res[(out.message.transfer_id, out.message.epoch)]
+            rec.registered = True
+            rec.pull = out.message.mode is Mode.PULL
         elif isinstance(out, Ready):
             self._ready(now, out)
         elif isinstance(out, Failed):
@@ -185,6 +206,13 @@ class InvariantChecker:
             self.fail(f"I3: reservation {key} ended twice")
         if _flat(out.blocks) != rec.blocks:
             self.fail(f"released blocks of {key} differ from the reserved ones")
+        # I1, proactively: before its quarantine a registered push epoch may be
+        # released only on an explicit promise that nothing of it can land.
+        settled = {(r.source, r.consumer_rank) for r in self.topology.routes}
+        early = now < rec.quarantine - 1e-9
+        all_settled = settled <= rec.notices | rec.write_failed
+        if rec.registered and not rec.pull and early and not rec.promised and not all_settled:
+            self.fail(f"I1: {key} released before its quarantine without a promise")
         rec.ended = "released"
         for b in rec.blocks:
             del self.dst_owner[b]

@@ -210,6 +210,7 @@ class World:
             self.checker.producer_received(now, m.message)
             self.producer.receive(now, m.src, m.message)  # type: ignore[arg-type]
         else:
+            self.checker.consumer_received(m.message)
             self.consumer.receive(now, m.src, m.message)  # type: ignore[arg-type]
         self.pump()
 
