@@ -12,6 +12,9 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	# NIXL without its torch requirement (not needed on DRAM): see pyproject's nixl extra.
+	$(PY) -m pip install -q --no-deps 'nixl>=1.0' 'nixl-cu12>=1.0'
+	$(PY) -c 'import nixl._api'
 	touch $(STAMP)
 
 test: $(STAMP)

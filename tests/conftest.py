@@ -7,6 +7,9 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# UCX (under NIXL) on loopback only: never the host's external interface.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 settings.register_profile(
     "ci",
     max_examples=200,

@@ -3,6 +3,7 @@ channel on loopback and the shared-memory transport; bytes verified."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -82,6 +83,35 @@ def value(layer: int, kind: str, token: np.ndarray, head: np.ndarray) -> np.ndar
     return ((layer * 31 + (kind == "V") * 17 + token * 7 + head * 13) % 251).astype(np.uint8)
 
 
+class PreppedShm(ShmTransport):
+    """Shared memory posted by index: drives the data plane's prepped path
+    (the one NIXL takes) with data verified by the same checks."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.lists: dict[tuple[str, object], tuple[np.ndarray, np.ndarray]] = {}
+        self.prepped_posts = 0
+
+    def prefers_prepped(self, merged_rows: int, pieces: int) -> bool:
+        return True
+
+    def prep(self, agent: str, key: object, local: np.ndarray, remote: np.ndarray) -> None:
+        assert (agent, key) not in self.lists, "prepared twice"
+        self.lists[(agent, key)] = (local, remote)
+
+    def write_prepped(
+        self, agent: str, key: object, local: np.ndarray, remote: np.ndarray, notice: bytes
+    ) -> int:
+        mine, theirs = self.lists[(agent, key)]
+        self.prepped_posts += 1
+        return self.write(agent, mine[local], theirs[remote], notice)
+
+    def read_prepped(self, agent: str, key: object, local: np.ndarray, remote: np.ndarray) -> int:
+        mine, theirs = self.lists[(agent, key)]
+        self.prepped_posts += 1
+        return self.read(agent, mine[local], theirs[remote])
+
+
 @dataclass
 class Side:
     runtime: ProducerRuntime | ConsumerRuntime
@@ -92,10 +122,10 @@ class Side:
 
 @asynccontextmanager
 async def side(
-    stack: AsyncExitStack, role: Role, name: str, tp: int, tokens: int
+    stack: AsyncExitStack, role: Role, name: str, tp: int, tokens: int, prepped: bool = False
 ) -> AsyncIterator[Side]:
     """One side, pumping: its transports, channel and runtime."""
-    runtime, s = await build(stack, role, name, tp, tokens, verify=True)
+    runtime, s = await build(stack, role, name, tp, tokens, verify=True, prepped=prepped)
     tg = await stack.enter_async_context(anyio.create_task_group())
     await tg.start(runtime.run)  # type: ignore[attr-defined]
     stack.callback(tg.cancel_scope.cancel)
@@ -133,6 +163,7 @@ async def wait_for(s: Side, kinds: tuple[type, ...], n: int, seen: list[Event]) 
     return seen
 
 
+@pytest.mark.parametrize("prepped", [False, True], ids=["rows", "prepped"])
 @pytest.mark.parametrize(
     ("p_tp", "d_tp", "p_tokens", "d_tokens", "mode"),
     [
@@ -145,13 +176,15 @@ async def wait_for(s: Side, kinds: tuple[type, ...], n: int, seen: list[Event]) 
     ],
 )
 async def test_transfers_over_tcp_and_shared_memory(
-    p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: Mode
+    p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: Mode, prepped: bool
 ) -> None:
     async with AsyncExitStack() as stack:
         prod = await stack.enter_async_context(
-            side(stack, Role.PRODUCER, "prefill", p_tp, p_tokens)
+            side(stack, Role.PRODUCER, "prefill", p_tp, p_tokens, prepped)
         )
-        cons = await stack.enter_async_context(side(stack, Role.CONSUMER, "decode", d_tp, d_tokens))
+        cons = await stack.enter_async_context(
+            side(stack, Role.CONSUMER, "decode", d_tp, d_tokens, prepped)
+        )
         assert isinstance(cons.runtime, ConsumerRuntime)
         assert isinstance(prod.runtime, ProducerRuntime)
         cons.runtime.channel.add_route("prefill", "127.0.0.1", prod.port)  # type: ignore[attr-defined]
@@ -190,16 +223,31 @@ async def test_transfers_over_tcp_and_shared_memory(
         )
         assert moved is not None
         assert (moved > 0) == (mode is Mode.PUSH)  # in pull the consumer moves the bytes
+        # Prepped: every transfer went by index, each route's lists prepared once.
+        mover = prod if mode is Mode.PUSH else cons
+        posts = [t.prepped_posts for t in mover.transports if isinstance(t, PreppedShm)]
+        dp = mover.runtime.dataplane
+        assert dp is not None
+        assert dp.posted_prepped == (dp.posted if prepped else 0)
+        assert sum(posts) == (dp.posted if prepped else 0)
+        assert dp.posted > 0
 
 
 async def build(
-    stack: AsyncExitStack, role: Role, name: str, tp: int, tokens: int = 16, verify: bool = False
+    stack: AsyncExitStack,
+    role: Role,
+    name: str,
+    tp: int,
+    tokens: int = 16,
+    verify: bool = False,
+    prepped: bool = False,
 ) -> tuple[object, Side]:
     """A side's parts, its pump not yet started (the caller or the facade starts it)."""
     codec = Codec(secret=SECRET)
     layouts = [rank_layout(tp, r, tokens) for r in range(tp)]
     size = max(r.base + r.num_blocks * r.stride for r in layouts[0].regions)
-    transports = [ShmTransport(f"{name}-r{r}", size, verify=verify) for r in range(tp)]
+    kind = PreppedShm if prepped else ShmTransport
+    transports = [kind(f"{name}-r{r}", size, verify=verify) for r in range(tp)]
     for t in transports:
         stack.callback(t.close)
     dataplane = DataPlane(role, {r: Rank(transports[r], layouts[r]) for r in range(tp)}, tp, codec)
@@ -279,3 +327,51 @@ def test_sync_facade_from_several_threads() -> None:
                         assert np.array_equal(
                             view[b], np.broadcast_to(want[:, :, None], view[b].shape)
                         )
+
+
+class _SilentChannel:
+    """A channel that accepts frames and never delivers any."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def send_nowait(self, peer: str, message: object) -> None:
+        self.sent.append(message)
+
+    async def events(self) -> AsyncIterator[object]:
+        await anyio.sleep_forever()
+        yield  # pragma: no cover
+
+
+async def test_the_pump_sleeps_until_its_deadline_and_never_spins() -> None:
+    """Inputs wake the timer task only when they bring the deadline forward;
+    the timer fires on time; results posted from another thread wake the loop
+    without waiting for it."""
+    channel = _SilentChannel()
+    config = ConsumerConfig(Identity("decode", 1), ready_timeout=0.3)
+    runtime = ConsumerRuntime(Consumer(config), channel)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(runtime.run)
+        runtime.connect("prefill")  # a Hello that is never answered
+        for i in range(50):  # each with a deadline later than the first
+            runtime.reserve(f"t{i}", "prefill", [[i]])
+            await anyio.sleep(0.001)
+        await anyio.sleep(0.1)
+        assert runtime.timer_wakeups <= 2, runtime.timer_wakeups  # spinning: thousands
+        with anyio.fail_after(5):
+            seen: list[Event] = []
+            while sum(isinstance(e, Released) for e in seen) < 50:
+                seen += await runtime.next_events(1.0)
+        assert runtime.endpoint.reserved_blocks == 0
+        assert runtime.timer_wakeups < 120  # about one per distinct deadline
+        # A result from another thread is fed without the thread waiting.
+        results = []
+        runtime._feed_one = lambda now, r: results.append(r)  # type: ignore[method-assign]
+        started = time.perf_counter()
+        await anyio.to_thread.run_sync(runtime.post_results, ["x"])  # type: ignore[list-item]
+        assert time.perf_counter() - started < 1.0
+        with anyio.fail_after(5):
+            while not results:
+                await anyio.sleep(0.001)
+        assert results == ["x"]
+        tg.cancel_scope.cancel()

@@ -168,8 +168,7 @@ class DecodeLeader(Leader):
             return
         started = time.perf_counter()
         result = self.runtime.reserve(tid, self.spec.peer, [blocks], mode=self.spec.mode)
-        self.caller_seconds += time.perf_counter() - started
-        self.caller_requests += 1
+        self.caller_reserve.append(time.perf_counter() - started)
         if isinstance(result, Refused):
             self.pool.give(blocks)
             reason = f"refused: {result.reason.value}"
@@ -181,7 +180,7 @@ class DecodeLeader(Leader):
         if isinstance(ev, Ready):
             started = time.perf_counter()
             tg.start_soon(self._check, ev)  # verification is the demo's, not protocol cost
-            self.caller_seconds += time.perf_counter() - started
+            self.caller_ready.append(time.perf_counter() - started)
         elif isinstance(ev, Failed):
             detail = f": {ev.detail}" if ev.detail else ""
             self.failures[ev.transfer_id] = f"{ev.reason.value}{detail}"

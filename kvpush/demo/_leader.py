@@ -189,8 +189,8 @@ class Leader:
 
         # --- to override ---------------------------------------------------------------
         self.metrics: EndpointMetrics | None = None
-        self.caller_seconds = 0.0
-        self.caller_requests = 0
+        self.caller_reserve: list[float] = []
+        self.caller_ready: list[float] = []
 
     def make_runtime(
         self, identity: Identity, channel: ControlChannel, dataplane: DataPlane
@@ -308,8 +308,8 @@ class Leader:
                 self.endpoint_blocks(),
                 self.pool.outstanding,
                 runtime.frames_dropped,
-                self.caller_seconds,
-                self.caller_requests,
+                tuple(self.caller_reserve),
+                tuple(self.caller_ready),
             )
             self.send(stats)
         else:

@@ -158,10 +158,15 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
 
 
 def _caller_us(result: RunResult) -> float | None:
-    """Decode loop time in protocol calls per request (reserve + handling Ready)."""
-    seconds = sum(s.caller_seconds for s in result.stats.values())
-    requests = max((s.caller_requests for s in result.stats.values()), default=0)
-    return round(seconds / requests * 1e6, 2) if requests else None
+    """Decode loop time in protocol calls per request: the median reserve call
+    plus the median Ready handling (medians: the first request also pays for
+    the handshake, once per peer)."""
+    reserve = [t for s in result.stats.values() for t in s.caller_reserve]
+    ready = [t for s in result.stats.values() for t in s.caller_ready]
+    if not reserve:
+        return None
+    total = statistics.median(reserve) + (statistics.median(ready) if ready else 0.0)
+    return round(total * 1e6, 2)
 
 
 def problems(summary: dict[str, Any]) -> list[str]:

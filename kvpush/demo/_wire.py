@@ -159,7 +159,7 @@ class Stats:
     #: Blocks the leader's own pool still has out.
     pool_blocks: int
     frames_dropped: int
-    #: Seconds the leader's loop spent in protocol calls for requests (decode:
-    #: reserve and handling Ready), and how many requests that covered.
-    caller_seconds: float = 0.0
-    caller_requests: int = 0
+    #: Seconds the decode leader's loop spent in each call to reserve, and in
+    #: handling each Ready.
+    caller_reserve: tuple[float, ...] = ()
+    caller_ready: tuple[float, ...] = ()

@@ -20,7 +20,15 @@ from ._facade import SyncRuntime
 from ._metrics import EndpointMetrics
 from ._runtime import ConsumerRuntime, EndpointRuntime, ProducerRuntime, decode_rank, encode_rank
 from ._shm import ShmTransport
-from ._transport import Completed, Descriptors, Notice, Transport, TransportError
+from ._transport import (
+    Completed,
+    Descriptors,
+    Indices,
+    Notice,
+    PreppedTransport,
+    Transport,
+    TransportError,
+)
 
 __all__ = (
     "Backoff",
@@ -34,6 +42,7 @@ __all__ = (
     "EndpointMetrics",
     "EndpointRuntime",
     "Garbage",
+    "Indices",
     "Notice",
     "NoticeIn",
     "OpResult",
@@ -41,6 +50,7 @@ __all__ = (
     "PeerLost",
     "PeerRanks",
     "PeerUnreachable",
+    "PreppedTransport",
     "ProducerRuntime",
     "Rank",
     "Received",

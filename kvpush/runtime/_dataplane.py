@@ -3,7 +3,9 @@
 The protocol core emits :class:`StartWrite` / :class:`StartRead`; the runtime
 hands them to a :class:`DataPlane`, whose own thread turns each into a merged
 plan (:class:`TransferPlanner`, cached per rank pair), posts it on the right
-rank's :class:`Transport`, and polls every transport continuously (a target
+rank's :class:`Transport` (by index into lists prepared once per route when
+the transport is a :class:`PreppedTransport` that prefers it for the plan,
+else as merged descriptor rows), and polls every transport continuously (a target
 that stops polling stalls its producers). Results go back through
 ``on_results``, called from the data-plane thread, so the caller's thread only
 ever pays O(1) per request: an append to a queue.
@@ -14,6 +16,7 @@ loop (and so anyio's ``current_time()``) runs on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -34,7 +37,7 @@ from kvpush.protocol import (
     TransferPlanner,
 )
 
-from ._transport import Transport
+from ._transport import PreppedTransport, Transport
 
 __all__ = ("DataPlane", "NoticeIn", "OpResult", "PeerRanks", "Rank")
 
@@ -88,18 +91,25 @@ class DataPlane:
         codec: Codec,
         on_results: Callable[[list[Result]], None] | None = None,
         *,
-        idle_sleep: float = 0.0005,
+        poll_interval: float = 0.0002,
     ) -> None:
         self.role = role
         self.ranks = dict(ranks)
         self.tp = tp
         self.codec = codec
         self._on_results: Callable[[list[Result]], None] = on_results or _unbound
-        self._idle_sleep = idle_sleep
+        self._poll_interval = poll_interval
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._peers: dict[str, PeerRanks] = {}
         self._agents: dict[tuple[str, int], str] = {}
         self._planners: dict[tuple[str, Route], TransferPlanner] = {}
+        self._prepped: set[tuple[str, Route]] = set()
+        self._preppers: dict[int, PreppedTransport] = {
+            i: r.transport
+            for i, r in self.ranks.items()
+            if isinstance(r.transport, PreppedTransport)
+        }
+        self.posted_prepped = 0
         self._posted: dict[tuple[int, int], StartWrite | StartRead] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -157,9 +167,10 @@ class DataPlane:
     # --- the thread -----------------------------------------------------------
 
     def _run(self) -> None:
+        command: tuple[str, object] | None = None
         try:
             while not self._stop.is_set():
-                results = self._take_commands()
+                results = self._take_commands(command)
                 busy = bool(results)
                 for index, rank in self.ranks.items():
                     completed, notices = rank.transport.poll()
@@ -172,19 +183,29 @@ class DataPlane:
                     busy = busy or bool(completed or notices)
                 if results:
                     self._on_results(results)
+                command = None
                 if not busy:
-                    time.sleep(self._idle_sleep if self._posted else self._idle_sleep * 4)
+                    # Idle: wait for a command, but poll again within the
+                    # interval (notices arrive without any command).
+                    with contextlib.suppress(queue.Empty):
+                        command = self._inbox.get(timeout=self._poll_interval)
         except BaseException as exc:  # surfaced by the runtime, never swallowed
             log.exception("data-plane thread failed")
             self.error = exc
+        finally:
+            if command is not None:  # taken but not run: stop() reports it
+                self._inbox.put(command)
 
-    def _take_commands(self) -> list[Result]:
+    def _take_commands(self, first: tuple[str, object] | None) -> list[Result]:
         results: list[Result] = []
         while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return results
+            if first is not None:
+                (kind, item), first = first, None
+            else:
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return results
             if kind == "peer":
                 assert isinstance(item, PeerRanks)
                 self._add_peer(item)
@@ -198,9 +219,10 @@ class DataPlane:
     def _add_peer(self, peer: PeerRanks) -> None:
         self._peers[peer.peer] = peer
         self._planners = {k: v for k, v in self._planners.items() if k[0] != peer.peer}
-        for index, (meta, _) in peer.ranks.items():
+        self._prepped = {k for k in self._prepped if k[0] != peer.peer}
+        for index, (meta, layout) in peer.ranks.items():
             for rank in self.ranks.values():
-                agent = rank.transport.add_peer(meta)
+                agent = rank.transport.add_peer(meta, layout)
             self._agents[(peer.peer, index)] = agent
 
     def _post(self, action: StartWrite | StartRead) -> str | None:
@@ -216,16 +238,27 @@ class DataPlane:
         try:
             planner = self._planner(action.peer, route, local_index, remote_index)
             agent = self._agents[(action.peer, remote_index)]
-            if isinstance(action, StartWrite):
-                plan = planner.plan(
-                    action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens
-                )
-                notice = self.codec.encode_notice(action.notice)
+            plan = planner.plan(
+                action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens
+            )
+            write = isinstance(action, StartWrite)
+            notice = (
+                self.codec.encode_notice(action.notice) if isinstance(action, StartWrite) else b""
+            )
+            prepper = self._preppers.get(local_index)
+            if prepper is not None and prepper.prefers_prepped(
+                plan.num_descriptors, plan.num_pieces
+            ):
+                self._prep(prepper, agent, action.peer, route, planner)
+                src, dst = plan.indices()
+                if write:
+                    handle = prepper.write_prepped(agent, route, src, dst, notice)
+                else:
+                    handle = prepper.read_prepped(agent, route, dst, src)
+                self.posted_prepped += 1
+            elif write:
                 handle = rank.transport.write(agent, plan.src, plan.dst, notice)
             else:
-                plan = planner.plan(
-                    action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens
-                )
                 handle = rank.transport.read(agent, plan.dst, plan.src)
         except KvpushError as exc:
             return f"not posted: {exc}"
@@ -233,6 +266,25 @@ class DataPlane:
         self.posted += 1
         self.bytes_posted += int(plan.src[:, 1].sum())
         return None
+
+    def _prep(
+        self,
+        transport: PreppedTransport,
+        agent: str,
+        peer: str,
+        route: Route,
+        planner: TransferPlanner,
+    ) -> None:
+        """Prepare a route's descriptor lists the first time it is used."""
+        if (peer, route) in self._prepped:
+            return
+        mine, theirs = (
+            (Role.PRODUCER, Role.CONSUMER)
+            if self.role is Role.PRODUCER
+            else (Role.CONSUMER, Role.PRODUCER)
+        )
+        transport.prep(agent, route, planner.prepped(mine), planner.prepped(theirs))
+        self._prepped.add((peer, route))
 
     def _indices(self, peer: str, source: Source, consumer_rank: int) -> tuple[int, int]:
         """(local rank index, remote rank index) of a route."""

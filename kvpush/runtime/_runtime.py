@@ -1,7 +1,8 @@
 """The pump: one per endpoint, after aioquic's asyncio adapter.
 
 It feeds the sans-IO core the channel's frames, the data plane's results and
-timer firings (``now`` from :func:`anyio.current_time`), drains every output
+timer firings (``now`` from :func:`time.monotonic`, the clock the data plane's
+``not_after`` checks use too, whatever the event loop), drains every output
 (frames to the channel, writes and reads to the data plane, events to the
 caller) and keeps one deadline armed. It makes no protocol decision itself.
 """
@@ -13,12 +14,12 @@ import contextlib
 import logging
 import math
 import queue
+import socket
+import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import msgpack
 
 from kvpush.protocol import (
@@ -78,6 +79,48 @@ def decode_rank(blob: bytes) -> tuple[bytes, KVLayout]:
     return obj["md"], KVLayout.from_wire(obj["layout"])
 
 
+class _Wakeup:
+    """Wakes the event loop from another thread without waiting for it: a
+    self-pipe (backend-neutral), at most one byte in flight.
+
+    Order matters. The waker queues its item, then writes a byte unless one is
+    pending. The loop reads the bytes, clears ``pending`` and only then drains
+    the queue: an item queued before the clear is drained now, one queued
+    after it writes a new byte. No item is ever left behind with no byte.
+    """
+
+    def __init__(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._pending = False
+
+    def set(self) -> None:
+        """Any thread: make the next (or current) :meth:`wait` return."""
+        if not self._pending:
+            self._pending = True
+            # Full buffer: a byte is already there. Closed: the loop is gone.
+            with contextlib.suppress(OSError):
+                self._w.send(b"\0")
+
+    async def wait(self) -> None:
+        """The loop's thread: wait for :meth:`set`; the caller drains after."""
+        await anyio.wait_readable(self._r)
+        with contextlib.suppress(BlockingIOError):
+            self._r.recv(4096)
+        self._pending = False
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+    def __enter__(self) -> _Wakeup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class EndpointRuntime(Generic[E]):
     """Runs one core endpoint on anyio. Call :meth:`run` in a task group;
     feed inputs through the role's methods (from the event loop's thread)."""
@@ -97,9 +140,10 @@ class EndpointRuntime(Generic[E]):
         self._events: collections.deque[Event] = collections.deque()
         self._have_events = anyio.Event()
         self._rearm = anyio.Event()
+        self._armed = math.inf  # the deadline the timer task sleeps towards
+        self.timer_wakeups = 0
         self._results: queue.SimpleQueue[list[Result]] = queue.SimpleQueue()
-        self._results_ready = anyio.Event()
-        self._token: Any = None
+        self._wakeup: _Wakeup | None = None  # open while run() runs
         self.frames_dropped = 0
         if dataplane is not None:
             dataplane.bind(self.post_results)
@@ -110,27 +154,40 @@ class EndpointRuntime(Generic[E]):
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Pump until cancelled."""
-        self._token = anyio.lowlevel.current_token()
-        if self.dataplane is not None:
-            self.dataplane.start()
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._channel_loop)
-                tg.start_soon(self._timer_loop)
-                tg.start_soon(self._results_loop)
-                self.kick()
-                task_status.started()
-        finally:
+        with _Wakeup() as wakeup:
+            self._wakeup = wakeup
+            wakeup.set()  # results queued before we ran
             if self.dataplane is not None:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self.dataplane.stop)
-                self._feed_results()
+                self.dataplane.start()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._channel_loop)
+                    tg.start_soon(self._timer_loop)
+                    tg.start_soon(self._results_loop)
+                    self.kick()
+                    task_status.started()
+            finally:
+                self._wakeup = None
+                if self.dataplane is not None:
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(self.dataplane.stop)
+                    self._feed_results()
 
     def now(self) -> float:
-        return anyio.current_time()
+        return time.monotonic()
 
     def kick(self) -> None:
-        """Drain the endpoint's outputs and re-arm the deadline (after any input)."""
+        """After any input: drain the endpoint's outputs, and wake the timer
+        task if the endpoint's next deadline is now earlier than the one it
+        sleeps towards (a later one it finds when it wakes: one wake-up per
+        deadline, not per input)."""
+        self._drain()
+        deadline = self.endpoint.next_deadline()
+        if deadline is not None and deadline < self._armed:
+            self._armed = deadline
+            self._rearm.set()
+
+    def _drain(self) -> None:
         for out in self.endpoint.drain():
             if isinstance(out, Send):
                 try:
@@ -150,7 +207,6 @@ class EndpointRuntime(Generic[E]):
                 if self._on_event is not None:
                     self._on_event(out)
                 self._have_events.set()
-        self._rearm.set()
 
     def _add_peer(self, peer: str) -> None:
         hello = self.endpoint.peer(peer).hello
@@ -189,27 +245,29 @@ class EndpointRuntime(Generic[E]):
     async def _timer_loop(self) -> None:
         while True:
             deadline = self.endpoint.next_deadline()
-            wait = math.inf if deadline is None else max(0.0, deadline - self.now())
-            with anyio.move_on_after(wait):
-                await self._rearm.wait()
+            self._armed = math.inf if deadline is None else deadline
             self._rearm = anyio.Event()
+            with anyio.move_on_after(max(0.0, self._armed - self.now())):
+                await self._rearm.wait()
+            self.timer_wakeups += 1
             self.endpoint.handle_timer(self.now())
-            self.kick()
+            self._drain()  # not kick(): the loop re-reads the deadline itself
 
     async def _results_loop(self) -> None:
+        assert self._wakeup is not None
         while True:
-            await self._results_ready.wait()
-            self._results_ready = anyio.Event()
+            await self._wakeup.wait()
             self._feed_results()
             if self.dataplane is not None and self.dataplane.error is not None:
                 raise KvpushError("the data-plane thread failed") from self.dataplane.error
 
     def post_results(self, results: list[Result]) -> None:
-        """Called from the data-plane thread: queue results, wake the loop."""
+        """Called from the data-plane thread: queue results, wake the loop.
+        Never waits for the loop (the data plane keeps polling meanwhile)."""
         self._results.put(results)
-        if self._token is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone (shutting down)
-                anyio.from_thread.run_sync(self._results_ready.set, token=self._token)
+        wakeup = self._wakeup
+        if wakeup is not None:
+            wakeup.set()
 
     def _feed_results(self) -> None:
         now = self.now()

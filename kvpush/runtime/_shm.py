@@ -286,10 +286,11 @@ class ShmTransport:
         )
         return packed
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, layout: KVLayout | None = None) -> str:
         """Attach a peer's segment and create our mailbox to it; returns its
         agent. The same instance again is a no-op; a new instance of a known
-        agent replaces the old attachment (its posted transfers fail)."""
+        agent replaces the old attachment (its posted transfers fail).
+        ``layout`` is not needed: offsets address the peer's segment."""
         self._check_usable()
         info = _decode_metadata(metadata)
         old = self._peers.get(info.agent)

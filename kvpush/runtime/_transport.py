@@ -22,10 +22,20 @@ from numpy.typing import NDArray
 
 from kvpush.protocol import KVLayout, KvpushError
 
-__all__ = ("Completed", "Descriptors", "Notice", "Transport", "TransportError")
+__all__ = (
+    "Completed",
+    "Descriptors",
+    "Indices",
+    "Notice",
+    "PreppedTransport",
+    "Transport",
+    "TransportError",
+)
 
 #: ``(N, 3)`` uint64 rows of (address, length, device id).
 Descriptors = NDArray[np.uint64]
+#: Indices into a prepared descriptor list.
+Indices = NDArray[np.int64]
 
 
 class TransportError(KvpushError):
@@ -66,10 +76,12 @@ class Transport(Protocol):
         """What a peer needs to reach this rank (carried by the handshake)."""
         ...
 
-    def add_peer(self, metadata: bytes) -> str:
-        """Accept a peer's metadata; returns its agent name. Metadata of a new
+    def add_peer(self, metadata: bytes, layout: KVLayout | None = None) -> str:
+        """Accept a peer's metadata (and the layout of the rank it describes:
+        memory types, regions); returns its agent name. Metadata of a new
         instance of a known agent replaces the old one: handles and
-        descriptors made for the old instance are never reused."""
+        descriptors made for the old instance are never reused, and its
+        transfers still posted fail."""
         ...
 
     def remove_peer(self, agent: str) -> None:
@@ -93,4 +105,41 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release every resource (memory registrations, connections)."""
+        ...
+
+
+@runtime_checkable
+class PreppedTransport(Transport, Protocol):
+    """A transport that can also post by index into descriptor lists prepared
+    once per (peer, route): NIXL's ``prep_xfer_dlist`` / ``make_prepped_xfer``.
+
+    The data plane prepares a route's lists the first time it posts on it
+    (:meth:`~kvpush.protocol.TransferPlanner.prepped`, one row per unmerged
+    piece of every block) and forgets them when the peer's metadata is
+    replaced; each transfer then passes
+    :meth:`~kvpush.protocol.TransferPlan.indices`. Which of the two ways a
+    given plan goes is the transport's call (:meth:`prefers_prepped`), from
+    what it measured.
+    """
+
+    def prefers_prepped(self, merged_rows: int, pieces: int) -> bool:
+        """Whether a plan of ``merged_rows`` merged descriptors (``pieces``
+        unmerged) is faster posted by index than as descriptor rows."""
+        ...
+
+    def prep(self, agent: str, key: object, local: Descriptors, remote: Descriptors) -> None:
+        """Prepare the local rows and ``agent``'s rows of one route under
+        ``key`` (hashable). Preparing a key again replaces it."""
+        ...
+
+    def write_prepped(
+        self, agent: str, key: object, local: Indices, remote: Indices, notice: bytes
+    ) -> int:
+        """:meth:`Transport.write` by index: local row ``local[k]`` of ``key``'s
+        list into the peer's row ``remote[k]``. :class:`TransportError` if
+        ``key`` is not prepared for this instance of ``agent``."""
+        ...
+
+    def read_prepped(self, agent: str, key: object, local: Indices, remote: Indices) -> int:
+        """:meth:`Transport.read` by index."""
         ...
