@@ -82,15 +82,19 @@ def _demo(*args: str, timeout: float = 60) -> tuple[dict[str, object], str]:
     return json.loads(lines[0]), proc.stderr
 
 
+@pytest.mark.parametrize("transport", ["nixl", "memory"])
 @pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize(("tp_prefill", "tp_decode"), [(1, 1), (2, 1), (1, 2)])
-def test_demo_hands_off_and_checks_every_block(mode: str, tp_prefill: int, tp_decode: int) -> None:
+def test_demo_hands_off_and_checks_every_block(
+    mode: str, tp_prefill: int, tp_decode: int, transport: str
+) -> None:
     n, tokens = 6, 200  # 13 blocks, the last one partly used
     out, stderr = _demo(
         "--mode", mode, "--tp-prefill", str(tp_prefill), "--tp-decode", str(tp_decode),
         "--requests", str(n), "--qps", "0", "--prompt-tokens", str(tokens), "--seed", "7",
+        "--transport", transport,
     )  # fmt: skip
-    assert out["mode"] == mode and out["transport"] == "memory"
+    assert out["mode"] == mode and out["transport"] == transport
     assert (out["tp_prefill"], out["tp_decode"]) == (tp_prefill, tp_decode)
     assert out["requests"] == out["completed"] == n
     assert out["failed"] == 0 and out["failure_reasons"] == {}
@@ -209,9 +213,20 @@ def test_percentiles() -> None:
     assert percentiles([3.0, 1.0, 2.0]) == {"p50": 2.0, "p95": 2.9, "p99": 2.98}
 
 
-def test_nixl_is_refused_with_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
+def test_nixl_is_the_default_transport() -> None:
+    from kvpush.cli import build_parser
+
+    assert build_parser().parse_args(["demo"]).transport == "nixl"
+
+
+def test_a_missing_nixl_is_refused_with_the_fix(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # import fails as if absent
     assert main(["demo", "--transport", "nixl"]) == 2
-    assert "--transport nixl is not available yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--transport nixl needs NIXL" in err
+    assert "pip install --no-deps nixl nixl-cu12" in err
 
 
 def test_a_pool_over_the_cap_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

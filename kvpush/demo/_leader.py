@@ -2,9 +2,13 @@
 
 A leader builds its side's runtime: a :class:`ControlChannel` on 127.0.0.1
 (HMAC codec, the run's secret), the endpoint's pump and a :class:`DataPlane`
-whose ranks are the instance's rank segments, attached here with
-``ShmTransport(create=False, name=...)``: the rank processes own the memory,
-the leader's data-plane thread moves the bytes. Router commands arrive over a
+whose ranks are the instance's rank segments, attached here: the rank
+processes own the memory, the leader's data-plane thread moves the bytes.
+With ``--transport memory`` each rank is a ``ShmTransport(create=False,
+name=...)`` (addresses are offsets into the segment); with ``--transport
+nixl`` the leader maps the segment, registers it with one
+:class:`~kvpush_nixl.NixlTransport` (one NIXL agent) per rank, and the
+layouts it announces carry the mapping's real addresses. Router commands arrive over a
 pipe, read by a thread that hands them to the event loop; a closed pipe means
 the router died, and the leader exits. SIGTERM cancels everything cleanly.
 Work on the KV itself (fill, check) goes to the rank processes through a
@@ -40,8 +44,10 @@ from kvpush.runtime import (
     EndpointRuntime,
     Rank,
     ShmTransport,
+    Transport,
     encode_rank,
 )
+from kvpush.runtime._shm_ring import Segment
 
 from ._model import DemoError, SideGeometry
 from ._pattern import request_seed
@@ -72,6 +78,8 @@ class LeaderSpec:
     rank_timeout: float
     #: Serve Prometheus metrics on 127.0.0.1 at this port (None: off).
     metrics_port: int | None = None
+    #: "memory" (ShmTransport) or "nixl" (NixlTransport over the same segments).
+    transport: str = "memory"
 
 
 class BlockPool:
@@ -182,7 +190,7 @@ class Leader:
         ]
         geo = spec.geometry
         self.layouts: list[KVLayout] = [geo.layout(r) for r in range(geo.tp)]
-        self.transports: list[ShmTransport] = []
+        self.transports: list[Transport] = []
         self.pool = BlockPool(geo.num_blocks, spec.seed * 2 + (spec.role is Role.PRODUCER))
         self.blocks: dict[str, list[int]] = {}
         self.channel: ControlChannel | None = None
@@ -266,16 +274,7 @@ class Leader:
         spec, geo = self.spec, self.spec.geometry
         codec = Codec(secret=spec.secret)
         for r, segment in enumerate(spec.segments):
-            t = ShmTransport(
-                f"{spec.name}-r{r}",
-                geo.segment_bytes,
-                create=False,
-                name=segment,
-                mailbox_bytes=_MAILBOX_BYTES,
-            )
-            stack.callback(t.close)
-            self.transports.append(t)
-            int(t.memory[::4096].sum())  # map every page now (the rank faulted them in)
+            self.transports.append(self._transport(stack, r, segment))
         ranks = {r: Rank(t, self.layouts[r]) for r, t in enumerate(self.transports)}
         dataplane = DataPlane(spec.role, ranks, geo.tp, codec)
         blobs = tuple(
@@ -299,6 +298,28 @@ class Leader:
             self.metrics = EndpointMetrics(runtime.endpoint, dataplane)
             prometheus_client.start_http_server(spec.metrics_port, addr="127.0.0.1")
         return runtime, port
+
+    def _transport(self, stack: contextlib.AsyncExitStack, r: int, segment: str) -> Transport:
+        """Rank ``r``'s transport over its segment (closed by ``stack``)."""
+        geo, name = self.spec.geometry, f"{self.spec.name}-r{r}"
+        t: Transport
+        if self.spec.transport == "nixl":
+            from kvpush_nixl import NixlTransport
+
+            seg = Segment.attach(segment, geo.segment_bytes)
+            stack.callback(seg.close)  # after the transport deregisters it
+            memory = seg.array
+            t = NixlTransport(name)
+            stack.callback(t.close)
+            self.layouts[r] = geo.layout(r, base=memory.ctypes.data)
+        else:
+            shm = ShmTransport(
+                name, geo.segment_bytes, create=False, name=segment, mailbox_bytes=_MAILBOX_BYTES
+            )
+            stack.callback(shm.close)
+            memory, t = shm.memory, shm
+        int(memory[::4096].sum())  # map every page now (the rank faulted them in)
+        return t
 
     def _command(self, msg: object, runtime: EndpointRuntime[Any], tg: anyio.abc.TaskGroup) -> None:
         if isinstance(msg, Dispatch):

@@ -98,12 +98,13 @@ class SideGeometry:
         """Bytes of one rank's segment."""
         return self.model.num_layers * 2 * self.num_blocks * self.block_len
 
-    def layout(self, rank: int) -> KVLayout:
-        """The KV layout of ``rank`` (its heads start at ``rank * heads_per_rank``)."""
+    def layout(self, rank: int, base: int = 0) -> KVLayout:
+        """The KV layout of ``rank`` (its heads start at ``rank * heads_per_rank``)
+        in a segment at address ``base`` (0: addresses are segment offsets)."""
         span = 2 * self.num_blocks * self.block_len
         return KVLayout(
             layer_regions(
-                [layer * span for layer in range(self.model.num_layers)],
+                [base + layer * span for layer in range(self.model.num_layers)],
                 num_blocks=self.num_blocks,
                 tokens_per_block=self.model.tokens_per_block,
                 num_heads=self.heads_per_rank,

@@ -60,13 +60,30 @@ _SHM_DIR = "/dev/shm"
 
 T = TypeVar("T")
 
+#: ``--transport`` choices: NIXL (UCX on loopback) or POSIX shared memory.
+TRANSPORTS = ("nixl", "memory")
+
+
+def check_nixl() -> None:
+    """Refuse ``--transport nixl`` up front, with the fix, if NIXL is missing;
+    set the environment the leaders inherit (unless the caller set it): UCX on
+    loopback only (the demo never leaves the host), NIXL's INFO lines off."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError as exc:
+        from kvpush_nixl import INSTALL_HINT
+
+        raise DemoError(f"--transport nixl needs NIXL ({exc}); {INSTALL_HINT}") from None
+
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
     """What ``kvpush demo`` was asked to do (see ``kvpush demo --help``)."""
 
     mode: Mode = Mode.PUSH
-    transport: str = "memory"
+    transport: str = "nixl"
     requests: int = 32
     qps: float = 50.0
     prompt_tokens: int = 512
@@ -134,8 +151,10 @@ class Router:
     """One run of the demo. :meth:`run` then, always, :meth:`shutdown`."""
 
     def __init__(self, cfg: DemoConfig, observer: Observer) -> None:
-        if cfg.transport != "memory":
-            raise DemoError(f"transport {cfg.transport!r} is not available; use memory")
+        if cfg.transport not in TRANSPORTS:
+            raise DemoError(f"unknown transport {cfg.transport!r}; choose from {TRANSPORTS}")
+        if cfg.transport == "nixl":
+            check_nixl()
         if cfg.model not in MODELS:
             raise DemoError(f"unknown model {cfg.model!r}; choose from {', '.join(MODELS)}")
         if cfg.qps < 0 or not math.isfinite(cfg.qps):
@@ -271,6 +290,7 @@ class Router:
                 metrics_port=None
                 if cfg.metrics_port is None
                 else cfg.metrics_port + (role is Role.PRODUCER),
+                transport=cfg.transport,
             )
             args = (spec_, leader_ends[role])
             self._leaders[role] = self._start(f"{name} leader", leader_main, args)

@@ -117,14 +117,15 @@ class DataPlane:
         self.posted = 0
         self.bytes_posted = 0
         self.failed_posts = 0
+        # Registered now: a rank's metadata (for the handshake) may list it.
+        for rank in self.ranks.values():
+            rank.transport.register(rank.layout)
 
     # --- called from any thread ----------------------------------------------
 
     def start(self) -> None:
         if self._thread is not None:
             raise KvpushError("data plane already started")
-        for rank in self.ranks.values():
-            rank.transport.register(rank.layout)
         self._thread = threading.Thread(target=self._run, name="kvpush-dataplane", daemon=True)
         self._thread.start()
 
