@@ -40,6 +40,7 @@ explore: $(STAMP)
 	$(PY) -m kvpush.testing.explorer
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/core_lifecycle.py
 	$(PY) benchmarks/plan.py
 	$(PY) benchmarks/fuzz_codec.py --n 100000

@@ -114,6 +114,29 @@ def test_connect_again_when_ready_sends_nothing() -> None:
     assert w.inflight == []
 
 
+def test_a_connection_coming_back_restarts_a_lost_handshake_at_once() -> None:
+    """The channel redials a peer after a loss (e.g. it restarted on the same
+    port): the handshake restarts from the new connection, so the new instance
+    is known before the next reservation, and the first one registers."""
+    w = Wire(producer(instance=1), consumer())
+    w.ends[D].connect(0.0, P)
+    w.deliver()
+    w.take(D, PeerReady)
+    w.ends[D].connection_up(1.0, P)  # READY: nothing to do
+    w.ends[D].connection_up(1.0, "stranger")  # never met: nothing either
+    w.collect()
+    assert w.inflight == []
+    w.ends[D].peer_lost(2.0, P)
+    w.ends[P] = producer(instance=2)  # restarted, knows nobody
+    w.events[P] = []
+    w.ends[D].connection_up(3.0, P)
+    w.deliver()
+    assert [type(m) for _, _, m in w.delivered[-2:]] == [Hello, Hello]
+    assert w.ends[D].peer(P).state is PeerState.READY
+    assert w.ends[D].peer(P).hello.instance == 2  # type: ignore[union-attr]
+    assert w.take(D, PeerReady) != []
+
+
 _INCOMPATIBLE: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("topology", {"tp": 3}, {}),
     ("kv_groups", {"kv_groups": 2}, {}),

@@ -144,6 +144,15 @@ class Endpoint:
         if self._peer_step(view, PeerInput.CONNECT) is not PeerState.READY:
             self._out.append(Send(peer, self._hello))
 
+    def connection_up(self, now: float, peer: str) -> None:
+        """A control connection to ``peer`` came up (the runtime saw it). If a
+        loss ended our handshake with ``peer``, restart it now rather than at
+        the next reservation: a peer that restarted learns who we are, and we
+        learn its new instance before anything is registered with it."""
+        view = self._peers.get(peer)
+        if view is not None and view.state is PeerState.DISCONNECTED:
+            self.connect(now, peer)
+
     def peer_lost(self, now: float, peer: str) -> None:
         """The control connection to ``peer`` is gone (the runtime decided)."""
         view = self._peers.get(peer)

@@ -37,7 +37,7 @@ from kvpush.protocol import (
     StartWrite,
 )
 
-from ._channel import PeerLost, Received
+from ._channel import PeerConnected, PeerLost, Received
 from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Result
 
 __all__ = (
@@ -238,7 +238,9 @@ class EndpointRuntime(Generic[E]):
                 self.endpoint.receive(self.now(), ev.peer, ev.message)
             elif isinstance(ev, PeerLost):
                 self.endpoint.peer_lost(self.now(), ev.peer)
-            else:  # PeerConnected, Garbage: the channel counted and logged them
+            elif isinstance(ev, PeerConnected):
+                self.endpoint.connection_up(self.now(), ev.peer)
+            else:  # Garbage: the channel counted and logged it
                 continue
             self.kick()
 

@@ -1,0 +1,309 @@
+"""One side (prefill or decode) of a two-process kvpush run over real NIXL,
+driven by the test process through a pipe (``tests/test_nixl_runtime.py``).
+
+The child builds what a serving engine would: one numpy "KV cache" per rank,
+one :class:`~kvpush_nixl.NixlTransport` (a NIXL agent over UCX) per rank, a
+:class:`DataPlane`, a TCP :class:`ControlChannel` and the endpoint's pump. It
+answers commands (tuples, see :func:`_command`) with one reply each, and
+keeps every event the pump reports so that ``wait`` can look for one.
+
+``Paused`` wraps the real transport only to stop *calling* its ``poll`` on
+command: NIXL underneath is real, and a target that stops polling stalls the
+writes to it (the reference's trap #1), which is how the tests hold a write in
+flight at a known moment.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import anyio
+import numpy as np
+
+from kvpush.protocol import (
+    Codec,
+    Consumer,
+    ConsumerConfig,
+    Event,
+    Failed,
+    HeadOrder,
+    Identity,
+    KVLayout,
+    MemoryType,
+    Mode,
+    Producer,
+    ProducerConfig,
+    Ready,
+    Refused,
+    Released,
+    Role,
+    SourceReleased,
+    Timing,
+    layer_regions,
+)
+from kvpush.runtime import (
+    Completed,
+    ConsumerRuntime,
+    ControlChannel,
+    DataPlane,
+    Notice,
+    ProducerRuntime,
+    Rank,
+    encode_rank,
+)
+from kvpush_nixl import NixlTransport
+
+HEADS, HEAD_BYTES, LAYERS = 4, 64, 2
+SECRET = b"nixl-runtime-test-secret-0123456789"
+
+
+#: Short bounds, so that deadlines and quarantines run out within a test.
+FAST = Timing(max_transit=0.5, op_bound=1.0)
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    role: Role
+    name: str
+    peer: str
+    tp: int
+    tokens: int  # per block
+    blocks: int
+    port: int = 0
+    ready_timeout: float = 20.0
+    kv_hold_timeout: float = 20.0
+    timing: Timing = FAST
+    peer_lost_after: float = 1.0
+
+
+def rank_layout(spec: SideSpec, rank: int, base: int) -> KVLayout:
+    heads = HEADS // spec.tp
+    block_len = spec.tokens * heads * HEAD_BYTES
+    span = 2 * spec.blocks * block_len
+    return KVLayout(
+        layer_regions(
+            [base + i * span for i in range(LAYERS)],
+            num_blocks=spec.blocks,
+            tokens_per_block=spec.tokens,
+            num_heads=heads,
+            head_bytes=HEAD_BYTES,
+            head_start=rank * heads,
+            order=HeadOrder.HND,
+            memory=MemoryType.DRAM,
+        )
+    )
+
+
+def value(layer: int, kind: str, token: np.ndarray, head: np.ndarray, salt: int) -> np.ndarray:
+    """The KV byte of (layer, kind, absolute token, global head) for a request."""
+    mix = layer * 31 + (kind == "V") * 17 + token * 7 + head * 13 + salt * 101
+    return (mix % 251).astype(np.uint8)
+
+
+class Paused:
+    """A real NixlTransport whose poll the test can suspend (see module docs)."""
+
+    def __init__(self, inner: NixlTransport) -> None:
+        self.inner = inner
+        self.paused = False
+
+    def poll(self) -> tuple[list[Completed], list[Notice]]:
+        return ([], []) if self.paused else self.inner.poll()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class Side:
+    def __init__(self, spec: SideSpec) -> None:
+        self.spec = spec
+        self.memory: list[np.ndarray] = []
+        self.layouts: list[KVLayout] = []
+        self.transports: list[Paused] = []
+        self.events: list[Event] = []
+
+    # --- the KV pattern ------------------------------------------------------
+
+    def _views(self, rank: int) -> list[tuple[Any, np.ndarray]]:
+        mem, layout = self.memory[rank], self.layouts[rank]
+        base = mem.ctypes.data
+        out = []
+        for r in layout.regions:
+            off = r.base - base
+            rows = mem[off : off + r.num_blocks * r.stride].reshape(r.num_blocks, r.stride)
+            view = rows[:, : r.block_len].reshape(
+                r.num_blocks, r.num_heads, r.tokens_per_block, r.head_bytes
+            )
+            out.append((r, view))
+        return out
+
+    def _want(self, r: Any, first_token: int, salt: int) -> np.ndarray:
+        tok = first_token + np.arange(r.tokens_per_block)
+        heads = r.head_start + np.arange(r.num_heads)
+        return value(r.layer, r.kind, tok[None, :], heads[:, None], salt)[:, :, None]
+
+    def fill(self, blocks: list[int], salt: int) -> None:
+        for rank in range(self.spec.tp):
+            for r, view in self._views(rank):
+                for i, b in enumerate(blocks):
+                    view[b] = self._want(r, i * r.tokens_per_block, salt)
+
+    def bad_blocks(self, blocks: list[int], salt: int, skip_tokens: int) -> list[int]:
+        bad = set()
+        for rank in range(self.spec.tp):
+            for r, view in self._views(rank):
+                for i, b in enumerate(blocks):
+                    want = self._want(r, skip_tokens + i * r.tokens_per_block, salt)
+                    if not np.array_equal(view[b], np.broadcast_to(want, view[b].shape)):
+                        bad.add(b)
+        return sorted(bad)
+
+    # --- running -------------------------------------------------------------
+
+    async def serve(self, conn: Connection) -> None:
+        spec = self.spec
+        codec = Codec(secret=SECRET)
+        ranks = {}
+        for r in range(spec.tp):
+            size = LAYERS * 2 * spec.blocks * spec.tokens * (HEADS // spec.tp) * HEAD_BYTES
+            mem = np.zeros(size, dtype=np.uint8)
+            layout = rank_layout(spec, r, mem.ctypes.data)
+            t = Paused(NixlTransport(f"{spec.name}-r{r}"))
+            self.memory.append(mem)
+            self.layouts.append(layout)
+            self.transports.append(t)
+            ranks[r] = Rank(t, layout)  # type: ignore[arg-type]
+        dataplane = DataPlane(spec.role, ranks, spec.tp, codec)
+        blobs = tuple(
+            encode_rank(t.metadata(), lay)
+            for t, lay in zip(self.transports, self.layouts, strict=True)
+        )
+        identity = Identity(
+            spec.name,
+            secrets.randbits(63),
+            tp=spec.tp,
+            num_kv_heads=HEADS,
+            layout=self.layouts[0],
+            ranks=blobs,
+        )
+        channel_cm = ControlChannel(
+            spec.name, codec, max_age=spec.timing.max_transit, peer_lost_after=spec.peer_lost_after
+        )
+        async with channel_cm as channel:
+            port = await channel.listen("127.0.0.1", spec.port)
+            runtime: ProducerRuntime | ConsumerRuntime
+            if spec.role is Role.PRODUCER:
+                config = ProducerConfig(
+                    identity, timing=spec.timing, kv_hold_timeout=spec.kv_hold_timeout
+                )
+                runtime = ProducerRuntime(Producer(config), channel, dataplane)
+            else:
+                cconfig = ConsumerConfig(
+                    identity, timing=spec.timing, ready_timeout=spec.ready_timeout
+                )
+                runtime = ConsumerRuntime(Consumer(cconfig), channel, dataplane)
+            async with anyio.create_task_group() as tg:
+                await tg.start(runtime.run)
+                tg.start_soon(self._collect, runtime)
+                conn.send(("up", port, os.getpid()))
+                while True:
+                    msg = await anyio.to_thread.run_sync(_recv, conn)
+                    if msg is None:
+                        continue
+                    if msg[0] == "stop":
+                        break
+                    conn.send(await self._command(runtime, channel, msg))
+                tg.cancel_scope.cancel()
+        for t in self.transports:
+            t.inner.close()
+        conn.send(("stopped",))
+
+    async def _collect(self, runtime: ProducerRuntime | ConsumerRuntime) -> None:
+        while True:
+            self.events += await runtime.next_events(1.0)
+
+    async def _command(self, runtime: Any, channel: ControlChannel, msg: tuple[Any, ...]) -> Any:
+        kind, *args = msg
+        if kind == "route":
+            host, port = args
+            channel.add_route(self.spec.peer, host, port)
+            runtime.connect(self.spec.peer)
+            return ("ok",)
+        if kind == "fill":
+            self.fill(*args)
+            return ("ok",)
+        if kind == "bad_blocks":
+            return ("bad", self.bad_blocks(*args))
+        if kind == "reserve":
+            tid, blocks, mode, skip = args
+            result = runtime.reserve(
+                tid, self.spec.peer, [blocks], mode=Mode(mode), skip_tokens=skip
+            )
+            return ("refused",) if isinstance(result, Refused) else ("reserved", result.epoch)
+        if kind == "kv_ready":
+            tid, blocks = args
+            runtime.kv_ready(tid, [blocks])
+            return ("ok",)
+        if kind == "pause":
+            for t in self.transports:
+                t.paused = bool(args[0])
+            return ("ok",)
+        if kind == "wait":
+            return await self._wait(*args)
+        if kind == "counts":
+            ep = runtime.endpoint
+            held = getattr(ep, "held_blocks", 0)
+            reserved = getattr(ep, "reserved_blocks", 0)
+            dp = runtime.dataplane
+            return ("counts", reserved, held, dp.posted, dp.posted_prepped)
+        raise ValueError(f"unknown command {kind!r}")
+
+    async def _wait(self, kinds: tuple[str, ...], tid: str, timeout: float, nth: int = 1) -> Any:
+        """The ``nth`` event of one of ``kinds`` for ``tid`` (``""``: any), as a
+        dict, with the time it took, or ``("timeout", [events seen])``."""
+        started = time.monotonic()
+        with anyio.move_on_after(timeout):
+            while True:
+                found = [
+                    ev
+                    for ev in self.events
+                    if type(ev).__name__ in kinds
+                    and (not tid or getattr(ev, "transfer_id", None) == tid)
+                ]
+                if len(found) >= nth:
+                    return ("event", _describe(found[nth - 1]), time.monotonic() - started)
+                await anyio.sleep(0.005)
+        return ("timeout", [_describe(e) for e in self.events])
+
+
+def _describe(ev: Event) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": type(ev).__name__, "tid": getattr(ev, "transfer_id", None)}
+    if isinstance(ev, Failed):
+        out["reason"] = ev.reason.value
+        out["detail"] = ev.detail
+    elif isinstance(ev, SourceReleased):
+        out["outcome"] = ev.outcome.value
+    elif isinstance(ev, (Ready, Released)):
+        out["epoch"] = ev.epoch
+    return out
+
+
+def _recv(conn: Connection) -> Any:
+    if not conn.poll(0.1):
+        return None
+    try:
+        return conn.recv()
+    except EOFError:  # the test process is gone
+        return ("stop",)
+
+
+def side_main(spec: SideSpec, conn: Connection) -> None:
+    """Process entry point (``multiprocessing`` spawn target)."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    anyio.run(Side(spec).serve, conn)

@@ -1,0 +1,222 @@
+"""The runtime over real NIXL (UCX on loopback) between two processes: push
+and pull, TP 1->1, 2->1 and 1->2, a block-size ratio of 2, fragmented block
+tables and a prefix hit, bytes verified at the destination; then a prefill
+killed mid-write, a decode killed mid-write, and a prefill restarted on the
+same port.
+
+Each side is a spawned process (``tests/nixl_side.py``): a kill takes NIXL
+and UCX down with the process, and the reference saw UCX abort at exit about
+once in 15 runs after a peer kill, so nothing of the kind runs in pytest's
+own process. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nixl._api", reason="NIXL is not installed (make test installs it)")
+
+from nixl_side import SideSpec, side_main
+
+from kvpush.protocol import Role
+
+CTX = mp.get_context("spawn")
+REPLY_S = 30.0
+
+
+class Proc:
+    """A side process and its command pipe."""
+
+    def __init__(self, spec: SideSpec) -> None:
+        self.spec = spec
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=side_main, args=(spec, child), daemon=True)
+        self.proc.start()
+        child.close()
+        up = self.reply()
+        assert up[0] == "up", up
+        self.port: int = up[1]
+
+    def reply(self, timeout: float = REPLY_S) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.spec.name}: no reply in {timeout} s")
+        return self.conn.recv()
+
+    def __call__(self, *msg: Any, timeout: float = REPLY_S) -> Any:
+        self.conn.send(msg)
+        return self.reply(timeout)
+
+    def wait(
+        self, kinds: tuple[str, ...], tid: str, timeout: float, nth: int = 1
+    ) -> tuple[dict[str, Any], float]:
+        out = self("wait", kinds, tid, timeout, nth, timeout=timeout + REPLY_S)
+        assert out[0] == "event", f"{self.spec.name}: no {kinds} for {tid}: {out[1]}"
+        return out[1], out[2]
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+                self.reply(10)
+            except (OSError, EOFError, TimeoutError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.kill()
+
+
+@contextmanager
+def sides(prefill: SideSpec, decode: SideSpec) -> Iterator[tuple[Proc, Proc]]:
+    procs: list[Proc] = []
+    try:
+        procs.append(Proc(prefill))
+        procs.append(Proc(decode))
+        p, d = procs
+        assert d("route", "127.0.0.1", p.port) == ("ok",)
+        yield p, d
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def spec(role: Role, tp: int, tokens: int, **kw: Any) -> SideSpec:
+    name, peer = ("prefill", "decode") if role is Role.PRODUCER else ("decode", "prefill")
+    return SideSpec(role, name, peer, tp, tokens, blocks=64, **kw)
+
+
+def transfer(
+    p: Proc, d: Proc, tid: str, src: list[int], dst: list[int], mode: str, skip: int = 0
+) -> dict[str, Any]:
+    """Fill, reserve first (decode registers while prefill computes), then KV
+    ready; wait for Ready and check every destination byte."""
+    salt = len(tid)
+    assert p("fill", src, salt) == ("ok",)
+    assert d("reserve", tid, dst, mode, skip)[0] == "reserved"
+    assert p("kv_ready", tid, src) == ("ok",)
+    ev, _ = d.wait(("Ready", "Failed"), tid, 20)
+    assert ev["type"] == "Ready", ev
+    assert d("bad_blocks", dst, salt, skip) == ("bad", [])
+    out, _ = p.wait(("SourceReleased",), tid, 20)
+    assert out["outcome"] == "delivered", out
+    return ev
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "p_tokens", "d_tokens", "mode"),
+    [
+        (1, 1, 16, 16, "push"),
+        (2, 1, 16, 16, "push"),  # two producer ranks into one: an exact set of two
+        (1, 2, 16, 16, "pull"),
+        (1, 1, 16, 8, "push"),  # block-size ratio 2
+        (2, 1, 8, 16, "pull"),
+    ],
+)
+def test_transfers_over_nixl_between_two_processes(
+    p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: str
+) -> None:
+    tokens = 64
+    with sides(spec(Role.PRODUCER, p_tp, p_tokens), spec(Role.CONSUMER, d_tp, d_tokens)) as (p, d):
+        # Fragmented tables on both sides (runs of 1-3 blocks, out of order).
+        src = [5, 9, 10, 11, 0, 1, 2, 30][: tokens // p_tokens]
+        dst = [20, 3, 4, 17, 30, 31, 1, 2][: tokens // d_tokens]
+        transfer(p, d, "req-a", src, dst, mode)
+        # A second request reuses the prepared lists; a third is a prefix hit.
+        transfer(p, d, "req-bb", [40, 41, 43, 42, 50, 51, 52, 53][: tokens // p_tokens],
+                 [40, 42, 41, 43, 50, 52, 51, 53][: tokens // d_tokens], mode)  # fmt: skip
+        skip = 2 * max(p_tokens, d_tokens)  # whole blocks on both sides
+        transfer(p, d, "req-ccc", src, dst[skip // d_tokens :], mode, skip)
+        for side in (p, d):
+            counts = side("counts")
+            assert counts[1:3] == (0, 0), counts  # nothing reserved or held
+        mover = p if mode == "push" else d
+        assert mover("counts")[3] == 3 * p_tp * d_tp // min(p_tp, d_tp)  # one per rank pair
+
+
+def test_prefill_killed_mid_write_fails_the_request_and_frees_blocks_after_quarantine() -> None:
+    """The write is held in flight (the decode's transport is not polled, so the
+    target does not progress), then the prefill dies: the decode fails the
+    request by its deadline, and hands its blocks back only after the
+    quarantine (deadline + max_transit + op_bound), with nothing else hanging."""
+    ready_timeout = 3.0
+    cons = spec(Role.CONSUMER, 1, 16, ready_timeout=ready_timeout)
+    with sides(spec(Role.PRODUCER, 1, 16), cons) as (p, d):
+        transfer(p, d, "warm", [1, 2], [1, 2], "push")  # the handshake is done
+        src, dst = list(range(10, 42)), list(range(20, 52))
+        assert p("fill", src, 3) == ("ok",)
+        assert d("reserve", "victim", dst, "push", 0)[0] == "reserved"
+        assert d("pause", True) == ("ok",)
+        assert p("kv_ready", "victim", src) == ("ok",)
+        p.kill()
+        assert d("pause", False) == ("ok",)
+        failed, took = d.wait(("Failed", "Ready"), "victim", ready_timeout + 5)
+        assert failed["type"] == "Failed", failed
+        assert took <= ready_timeout + 1.0
+        released, took2 = d.wait(("Released",), "victim", 10)
+        timing = cons.timing
+        quarantine = ready_timeout + timing.max_transit + timing.op_bound
+        assert took + took2 >= quarantine - ready_timeout * 0.5 - 0.5  # not before it
+        assert d("counts")[1] == 0  # every reserved block is back
+        assert released["tid"] == "victim"
+
+
+def test_decode_killed_mid_write_frees_the_prefill_blocks() -> None:
+    """A write in flight to a decode that dies: the prefill's transfer fails
+    (NIXL reports the disconnect, or the lease runs out) and its held blocks
+    are released; a new decode on a new port then works."""
+    hold = 3.0
+    with sides(spec(Role.PRODUCER, 1, 16, kv_hold_timeout=hold), spec(Role.CONSUMER, 1, 16)) as (
+        p,
+        d,
+    ):
+        transfer(p, d, "warm", [1, 2], [1, 2], "push")
+        src = list(range(10, 42))
+        assert p("fill", src, 3) == ("ok",)
+        assert d("reserve", "victim", list(range(20, 52)), "push", 0)[0] == "reserved"
+        assert d("pause", True) == ("ok",)
+        assert p("kv_ready", "victim", src) == ("ok",)
+        d.kill()
+        released, _ = p.wait(("SourceReleased",), "victim", 20)
+        assert released["outcome"] != "delivered", released
+        assert p("counts")[2] == 0  # nothing held
+        # The prefill is still healthy: a fresh decode process gets its KV.
+        d2 = Proc(spec(Role.CONSUMER, 1, 16))
+        try:
+            assert d2("route", "127.0.0.1", p.port) == ("ok",)
+            transfer(p, d2, "after", [3, 4, 5], [7, 8, 9], "push")
+        finally:
+            d2.stop()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_prefill_restarted_on_the_same_port_gets_fresh_agents(mode: str) -> None:
+    """Same host and port, new process (new NIXL agents, new memory): the decode
+    redials, learns the new metadata in the handshake, and never uses a
+    handle or prepared list of the old instance: the bytes prove it."""
+    prod = spec(Role.PRODUCER, 1, 16)
+    with sides(prod, spec(Role.CONSUMER, 1, 16)) as (p, d):
+        transfer(p, d, "before", [1, 2, 3], [4, 5, 6], mode)
+        port = p.port
+        p.kill()
+        p2 = Proc(replace(prod, port=port))
+        try:
+            assert p2.port == port
+            # Reserving before the new handshake may fail fast (peer lost) by
+            # design; an engine retries. Here: wait for the new instance.
+            d.wait(("PeerReady",), "", 20, nth=2)
+            transfer(p2, d, "after1", [1, 2, 3], [7, 8, 9], mode)  # same source blocks
+            transfer(p2, d, "after22", [9, 8], [10, 11], mode)
+        finally:
+            p2.stop()
