@@ -45,6 +45,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/plan.py
 	$(PY) benchmarks/fuzz_codec.py --n 100000
 	$(PY) benchmarks/handoff.py
+	$(PY) benchmarks/nixl_strategies.py
+	$(PY) benchmarks/nixl_throughput.py --plot nixl_throughput.png
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

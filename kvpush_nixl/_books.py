@@ -1,0 +1,192 @@
+"""Bookkeeping of one NixlTransport: posted transfers and arriving notices.
+
+:class:`Transfers` maps our integer handles to NIXL transfer handles, settles
+them in :meth:`Transfers.poll`, fails every transfer of a peer instance that is
+dropped, and keeps the rare handle NIXL refuses to release (a transfer it
+could not cancel) to retry later, so nothing is ever checked after release
+(NIXL's wrapper would read freed memory).
+
+:class:`Notices` maps NIXL sender names back to logical peers. NIXL delivers a
+notification even when the target has not loaded the sender's metadata, so a
+fast writer can be heard before its ``add_peer``: such notices wait (bounded)
+until that exact instance is added, and notices of a *retired* instance (one
+that restarted or was removed) are dropped, as the shared-memory transport
+drops a dead writer's mailbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpush.runtime import Completed, Notice, TransportError
+
+from ._agent import Agent, Handle
+from ._meta import split_nixl_name
+
+__all__ = ("Notices", "Transfers")
+
+log = logging.getLogger("kvpush.nixl")
+
+#: Notices held for senders not added yet, all senders together.
+MAX_PENDING = 65_536
+#: Retired instance names remembered (to drop their late notices).
+MAX_RETIRED = 1024
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Posted:
+    xfer: Handle
+    nixl_name: str
+
+
+class Transfers:
+    """Posted transfers by our handle; settled ones waiting to be reported."""
+
+    __slots__ = ("_agent", "_next", "_posted", "_settled", "_zombies")
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._next = 1
+        self._posted: dict[int, _Posted] = {}
+        self._settled: list[Completed] = []
+        self._zombies: list[Handle] = []
+
+    def __len__(self) -> int:
+        return len(self._posted)
+
+    def track(self, xfer: Handle, nixl_name: str) -> int:
+        handle = self._new()
+        self._posted[handle] = _Posted(xfer, nixl_name)
+        return handle
+
+    def settled_now(self) -> int:
+        """A handle for a transfer with nothing to move (done at once)."""
+        handle = self._new()
+        self._settled.append(Completed(handle))
+        return handle
+
+    def fail_peer(self, nixl_name: str, reason: str) -> None:
+        """Cancel and fail every transfer to one peer instance."""
+        for handle, posted in list(self._posted.items()):
+            if posted.nixl_name == nixl_name:
+                del self._posted[handle]
+                self._release(posted.xfer)
+                self._settled.append(Completed(handle, reason))
+
+    def poll(self) -> list[Completed]:
+        """Check every posted transfer (this is also what sends an initiator's
+        notification over TCP); release the settled ones."""
+        completed, self._settled = self._settled, []
+        for handle, posted in list(self._posted.items()):
+            try:
+                state = self._agent.state(posted.xfer)
+            except TransportError as exc:
+                error: str | None = str(exc)
+            else:
+                if state == "PROC":
+                    continue
+                error = None if state == "DONE" else "NIXL reported the transfer failed (ERR)"
+            del self._posted[handle]
+            self._release(posted.xfer)
+            completed.append(Completed(handle, error))
+        if self._zombies:
+            self._zombies = [x for x in self._zombies if not self._agent.release(x)]
+        completed.sort(key=lambda c: c.handle)
+        return completed
+
+    def close(self, timeout: float) -> int:
+        """Release everything; returns how many NIXL would not release.
+
+        Releasing cancels a running transfer. One that NIXL cannot cancel gets
+        up to ``timeout`` seconds of progress (checks and notification
+        polls) to finish, then is left to NIXL's own teardown."""
+        left = [p.xfer for p in self._posted.values()] + self._zombies
+        self._posted.clear()
+        self._settled.clear()
+        self._zombies = []
+        deadline = time.monotonic() + timeout
+        while left:
+            left = [x for x in left if not self._agent.release(x)]
+            if not left or time.monotonic() >= deadline:
+                break
+            for xfer in left:
+                with contextlib.suppress(TransportError):
+                    self._agent.state(xfer)
+            with contextlib.suppress(TransportError):
+                self._agent.notifs()
+            time.sleep(0.001)
+        return len(left)
+
+    def _new(self) -> int:
+        handle = self._next
+        self._next += 1
+        return handle
+
+    def _release(self, xfer: Handle) -> None:
+        if not self._agent.release(xfer):
+            self._zombies.append(xfer)
+
+
+class Notices:
+    """Notices ready to hand out, held for unknown senders, or to be dropped."""
+
+    __slots__ = ("_count", "_name", "_pending", "_ready", "_retired")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._ready: list[Notice] = []
+        self._pending: dict[str, list[bytes]] = {}
+        self._count = 0
+        self._retired: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def held(self) -> int:
+        """Notices waiting for their sender's ``add_peer``."""
+        return self._count
+
+    def admit(self, agent: str, nixl_name: str) -> None:
+        """An instance was added: what it sent before is ready now."""
+        self._retired.pop(nixl_name, None)
+        held = self._pending.pop(nixl_name, [])
+        self._count -= len(held)
+        self._ready.extend(Notice(agent, payload) for payload in held)
+
+    def retire(self, nixl_name: str) -> None:
+        """An instance was dropped: forget what it sent, drop what it sends."""
+        self._count -= len(self._pending.pop(nixl_name, ()))
+        self._retired[nixl_name] = None
+        while len(self._retired) > MAX_RETIRED:
+            self._retired.popitem(last=False)
+
+    def sort(
+        self, arrived: dict[str, list[bytes]], current: Callable[[str], str | None]
+    ) -> list[Notice]:
+        """The notices to hand out now; ``current(agent)`` is the NIXL name of
+        that logical peer's current instance (``None`` if unknown)."""
+        out, self._ready = self._ready, []
+        for sender, payloads in arrived.items():
+            parts = split_nixl_name(sender)
+            if parts is not None and current(parts[0]) == sender:
+                out.extend(Notice(parts[0], m) for m in payloads)
+            elif sender in self._retired:
+                log.info(
+                    "%s: dropped %d notice(s) of retired %s", self._name, len(payloads), sender
+                )
+            elif self._count + len(payloads) <= MAX_PENDING:
+                self._pending.setdefault(sender, []).extend(payloads)
+                self._count += len(payloads)
+            else:
+                log.warning(
+                    "%s: dropped %d notice(s) of unknown %s", self._name, len(payloads), sender
+                )
+        return out
+
+    def clear(self) -> None:
+        self._ready.clear()
+        self._pending.clear()
+        self._count = 0
