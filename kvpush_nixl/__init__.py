@@ -9,6 +9,7 @@ See ``docs/operations.md``.
 from __future__ import annotations
 
 from ._agent import INSTALL_HINT
+from ._options import PrepRule
 from ._transport import MAX_NOTICE_BYTES, NixlTransport
 
-__all__ = ("INSTALL_HINT", "MAX_NOTICE_BYTES", "NixlTransport")
+__all__ = ("INSTALL_HINT", "MAX_NOTICE_BYTES", "NixlTransport", "PrepRule")

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from kvpush.protocol import KVLayout
+from kvpush.protocol import ConfigError, KVLayout
 from kvpush.runtime import Completed, Descriptors, Indices, Notice, TransportError
 
 from ._agent import Agent, Handle
@@ -81,6 +81,9 @@ class NixlTransport:
     by default: see ``docs/operations.md`` for the measurements). ``sync_mode``
     is the agent's lock mode, ``"STRICT"`` or ``"RW"``. :meth:`close` waits up
     to ``close_timeout`` seconds for transfers NIXL cannot cancel.
+    ``prep_rule`` decides :meth:`prefers_prepped` (default: the measured
+    :class:`PrepRule`; ``PrepRule(min_merge_ratio=0, min_rows=0)`` always
+    posts by index).
 
     Misuse of the constructor raises :class:`~kvpush.protocol.ConfigError`;
     NIXL missing or failing to start raises
@@ -112,10 +115,13 @@ class NixlTransport:
         progress_thread: bool = False,
         sync_mode: Literal["STRICT", "RW"] = "STRICT",
         close_timeout: float = 0.5,
+        prep_rule: PrepRule | None = None,
     ) -> None:
         params = validate_options(
             agent, backends, backend_params, progress_thread, sync_mode, close_timeout
         )
+        if prep_rule is not None and not isinstance(prep_rule, PrepRule):
+            raise ConfigError(f"prep_rule must be a PrepRule, got {type(prep_rule).__name__}")
         self._name = agent
         self._instance = new_instance()
         self._agent = Agent(
@@ -125,7 +131,7 @@ class NixlTransport:
             sync_mode=sync_mode,
         )
         self._close_timeout = float(close_timeout)
-        self._rule = PrepRule()
+        self._rule = prep_rule or PrepRule()
         self._lock = threading.Lock()
         self._closed = False
         self._layout: KVLayout | None = None

@@ -56,7 +56,7 @@ from kvpush.runtime import (
     Rank,
     encode_rank,
 )
-from kvpush_nixl import NixlTransport
+from kvpush_nixl import NixlTransport, PrepRule
 
 HEADS, HEAD_BYTES, LAYERS = 4, 64, 2
 SECRET = b"nixl-runtime-test-secret-0123456789"
@@ -79,6 +79,8 @@ class SideSpec:
     kv_hold_timeout: float = 20.0
     timing: Timing = FAST
     peer_lost_after: float = 1.0
+    #: Post every transfer by index into prepared lists (else NIXL's measured rule).
+    prepped: bool = False
 
 
 def rank_layout(spec: SideSpec, rank: int, base: int) -> KVLayout:
@@ -173,7 +175,8 @@ class Side:
             size = LAYERS * 2 * spec.blocks * spec.tokens * (HEADS // spec.tp) * HEAD_BYTES
             mem = np.zeros(size, dtype=np.uint8)
             layout = rank_layout(spec, r, mem.ctypes.data)
-            t = Paused(NixlTransport(f"{spec.name}-r{r}"))
+            rule = PrepRule(min_merge_ratio=0.0, min_rows=0) if spec.prepped else None
+            t = Paused(NixlTransport(f"{spec.name}-r{r}", prep_rule=rule))
             self.memory.append(mem)
             self.layouts.append(layout)
             self.transports.append(t)

@@ -115,20 +115,24 @@ def transfer(
 
 
 @pytest.mark.parametrize(
-    ("p_tp", "d_tp", "p_tokens", "d_tokens", "mode"),
+    ("p_tp", "d_tp", "p_tokens", "d_tokens", "mode", "prepped"),
     [
-        (1, 1, 16, 16, "push"),
-        (2, 1, 16, 16, "push"),  # two producer ranks into one: an exact set of two
-        (1, 2, 16, 16, "pull"),
-        (1, 1, 16, 8, "push"),  # block-size ratio 2
-        (2, 1, 8, 16, "pull"),
+        (1, 1, 16, 16, "push", False),
+        (1, 1, 16, 16, "push", True),  # by index into lists prepared once per route
+        (2, 1, 16, 16, "push", False),  # two producer ranks into one: an exact set of two
+        (1, 2, 16, 16, "pull", False),
+        (1, 2, 16, 16, "pull", True),
+        (1, 1, 16, 8, "push", True),  # block-size ratio 2
+        (2, 1, 8, 16, "pull", False),
     ],
 )
 def test_transfers_over_nixl_between_two_processes(
-    p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: str
+    p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: str, prepped: bool
 ) -> None:
     tokens = 64
-    with sides(spec(Role.PRODUCER, p_tp, p_tokens), spec(Role.CONSUMER, d_tp, d_tokens)) as (p, d):
+    prod = spec(Role.PRODUCER, p_tp, p_tokens, prepped=prepped)
+    cons = spec(Role.CONSUMER, d_tp, d_tokens, prepped=prepped)
+    with sides(prod, cons) as (p, d):
         # Fragmented tables on both sides (runs of 1-3 blocks, out of order).
         src = [5, 9, 10, 11, 0, 1, 2, 30][: tokens // p_tokens]
         dst = [20, 3, 4, 17, 30, 31, 1, 2][: tokens // d_tokens]
@@ -142,7 +146,8 @@ def test_transfers_over_nixl_between_two_processes(
             counts = side("counts")
             assert counts[1:3] == (0, 0), counts  # nothing reserved or held
         mover = p if mode == "push" else d
-        assert mover("counts")[3] == 3 * p_tp * d_tp // min(p_tp, d_tp)  # one per rank pair
+        posts = 3 * p_tp * d_tp // min(p_tp, d_tp)  # one per rank pair per request
+        assert mover("counts")[3:] == (posts, posts if prepped else 0)
 
 
 def test_prefill_killed_mid_write_fails_the_request_and_frees_blocks_after_quarantine() -> None:
