@@ -293,6 +293,11 @@ def _describe(ev: Event) -> dict[str, Any]:
         out["outcome"] = ev.outcome.value
     elif isinstance(ev, (Ready, Released)):
         out["epoch"] = ev.epoch
+    timeline = getattr(ev, "timeline", None)
+    if timeline is not None and timeline.reserved is not None:  # the consumer's
+        for stamp in ("failed", "ready", "released"):
+            at = getattr(timeline, stamp)
+            out[f"{stamp}_after_reserve"] = None if at is None else at - timeline.reserved
     return out
 
 

@@ -166,13 +166,15 @@ def test_prefill_killed_mid_write_fails_the_request_and_frees_blocks_after_quara
         assert p("kv_ready", "victim", src) == ("ok",)
         p.kill()
         assert d("pause", False) == ("ok",)
-        failed, took = d.wait(("Failed", "Ready"), "victim", ready_timeout + 5)
+        failed, _ = d.wait(("Failed", "Ready"), "victim", ready_timeout + 5)
         assert failed["type"] == "Failed", failed
-        assert took <= ready_timeout + 1.0
-        released, took2 = d.wait(("Released",), "victim", 10)
+        released, _ = d.wait(("Released",), "victim", 10)
         timing = cons.timing
         quarantine = ready_timeout + timing.max_transit + timing.op_bound
-        assert took + took2 >= quarantine - ready_timeout * 0.5 - 0.5  # not before it
+        # Failed by the deadline (the lost peer is noticed sooner); the blocks
+        # come back at the quarantine, not a moment before.
+        assert released["failed_after_reserve"] <= ready_timeout + 0.5, released
+        assert quarantine <= released["released_after_reserve"] <= quarantine + 2.0, released
         assert d("counts")[1] == 0  # every reserved block is back
         assert released["tid"] == "victim"
 
