@@ -1,4 +1,7 @@
-"""The ``kvpush`` command line (``kvpush demo ...``, ``python -m kvpush demo ...``)."""
+"""The ``kvpush`` command line (``kvpush demo ...``, ``kvpush router ...``;
+also ``python -m kvpush ...``). ``router`` is the vLLM router of
+``kvpush_vllm``, imported only when asked for: this is the application layer,
+the one place that composes the packages."""
 
 from __future__ import annotations
 
@@ -26,12 +29,36 @@ def build_parser() -> argparse.ArgumentParser:
         "timeline.",
     )
     add_arguments(demo)
+    router = commands.add_parser(
+        "router",
+        help="OpenAI-compatible proxy for disaggregated vLLM: each request to a prefill "
+        "and a decode instance at once",
+        description="Proxy /v1/completions and /v1/chat/completions: dispatch every request "
+        "to a prefill instance (max_tokens=1) and a decode instance at the same time, with "
+        "one kvpush transfer id, and stream the decode's answer back (docs/router.md).",
+    )
+    try:
+        from kvpush_vllm._router import add_router_arguments
+    except ImportError as exc:  # h11 missing: say so when the command is used
+        router.set_defaults(router_missing=str(exc))
+    else:
+        add_router_arguments(router)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.command == "router":
+        missing = getattr(args, "router_missing", None)
+        if missing:
+            import sys
+
+            print(f"kvpush router: {missing}; install kvpush[router]", file=sys.stderr)
+            return 2
+        from kvpush_vllm._router import run_router
+
+        return run_router(args)
     from kvpush.demo import run
 
     status: int = run(args)

@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, settings
 
 # UCX (under NIXL) on loopback only: never the host's external interface.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# NIXL logs INFO lines to stdout otherwise.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 settings.register_profile(
     "ci",

@@ -15,10 +15,17 @@ from ._channel import (
     PeerUnreachable,
     Received,
 )
-from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Rank
+from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Rank, Result
 from ._facade import SyncRuntime
 from ._metrics import EndpointMetrics
-from ._runtime import ConsumerRuntime, EndpointRuntime, ProducerRuntime, decode_rank, encode_rank
+from ._runtime import (
+    ConsumerRuntime,
+    DataPlaneLike,
+    EndpointRuntime,
+    ProducerRuntime,
+    decode_rank,
+    encode_rank,
+)
 from ._shm import ShmTransport
 from ._transport import (
     Completed,
@@ -38,6 +45,7 @@ __all__ = (
     "ConsumerRuntime",
     "ControlChannel",
     "DataPlane",
+    "DataPlaneLike",
     "Descriptors",
     "EndpointMetrics",
     "EndpointRuntime",
@@ -54,6 +62,7 @@ __all__ = (
     "ProducerRuntime",
     "Rank",
     "Received",
+    "Result",
     "ShmTransport",
     "SyncRuntime",
     "Transport",

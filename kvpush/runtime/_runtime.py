@@ -38,11 +38,12 @@ from kvpush.protocol import (
 )
 
 from ._channel import PeerConnected, PeerLost, Received
-from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Result
+from ._dataplane import NoticeIn, OpResult, PeerRanks, Result
 
 __all__ = (
     "ChannelLike",
     "ConsumerRuntime",
+    "DataPlaneLike",
     "EndpointRuntime",
     "ProducerRuntime",
     "decode_rank",
@@ -60,6 +61,24 @@ class ChannelLike(Protocol):
     def send_nowait(self, peer: str, message: ControlMessage) -> None: ...
 
     def events(self) -> AsyncIterator[object]: ...
+
+
+class DataPlaneLike(Protocol):
+    """What the pump needs of a data plane: :class:`DataPlane`, or a stand-in
+    that carries the actions to where the memory is (the vLLM connector's
+    scheduler side hands them to its worker processes)."""
+
+    error: BaseException | None
+
+    def bind(self, on_results: Callable[[list[Result]], None]) -> None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 5.0) -> None: ...
+
+    def submit(self, action: StartWrite | StartRead) -> None: ...
+
+    def add_peer(self, peer: PeerRanks) -> None: ...
 
 
 def encode_rank(metadata: bytes, layout: KVLayout) -> bytes:
@@ -129,7 +148,7 @@ class EndpointRuntime(Generic[E]):
         self,
         endpoint: E,
         channel: ChannelLike,
-        dataplane: DataPlane | None = None,
+        dataplane: DataPlaneLike | None = None,
         *,
         on_event: Callable[[Event], None] | None = None,
     ) -> None:

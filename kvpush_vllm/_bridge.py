@@ -1,0 +1,103 @@
+"""The scheduler side's data plane: a stand-in that carries the pump's
+transfers to the worker processes and their results back.
+
+In vLLM the KV tensors live in the worker processes (one per TP rank), while
+the connector's scheduler side runs in the engine-core process, with the
+protocol endpoint and the control channel. :class:`WorkerBridge` implements
+the pump's :class:`~kvpush.runtime.DataPlaneLike`: a ``StartWrite`` or
+``StartRead`` the core emits waits here until the next
+``build_connector_meta`` ships it to the workers (the rank that serves its
+route posts it on its own :class:`~kvpush.runtime.DataPlane`); their results
+and the completion notices they received come back through
+``update_connector_output`` and are fed to the pump as if a local data plane
+had produced them.
+
+Threads: the pump calls :meth:`submit` and :meth:`add_peer` on its event-loop
+thread; vLLM calls :meth:`take` and :meth:`deliver` on the scheduler thread.
+One lock guards the queues; :meth:`deliver` hands results to the pump's
+``post_results``, which is itself thread-safe and never waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpush.protocol import KvpushError, StartRead, StartWrite
+from kvpush.runtime import OpResult, PeerRanks, Result
+
+__all__ = ("Outbound", "WorkerBridge")
+
+
+@dataclass(slots=True)
+class Outbound:
+    """What one ``build_connector_meta`` ships to every worker."""
+
+    actions: list[StartWrite | StartRead] = field(default_factory=list)
+    peers: list[PeerRanks] = field(default_factory=list)
+
+
+class WorkerBridge:
+    """Queues the pump's transfers for the workers; feeds back their results."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._out = Outbound()
+        self._peers: dict[str, PeerRanks] = {}
+        self._on_results: Callable[[list[Result]], None] | None = None
+        self._stopped = False
+        self.error: BaseException | None = None
+        self.posted = 0
+        self.bytes_posted = 0  # counted by the workers; kept for the metrics' sake
+
+    # --- the pump's side (DataPlaneLike) ---------------------------------------
+
+    def bind(self, on_results: Callable[[list[Result]], None]) -> None:
+        self._on_results = on_results
+
+    def start(self) -> None:
+        if self._on_results is None:
+            raise KvpushError("WorkerBridge.bind() was not called")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Fail whatever never reached a worker (nothing posted it)."""
+        with self._lock:
+            self._stopped = True
+            left, self._out.actions = self._out.actions, []
+        if left and self._on_results is not None:
+            self._on_results([OpResult(a, "the connector stopped") for a in left])
+
+    def submit(self, action: StartWrite | StartRead) -> None:
+        with self._lock:
+            if self._stopped:
+                failed = True
+            else:
+                failed = False
+                self._out.actions.append(action)
+                self.posted += 1
+        if failed and self._on_results is not None:
+            self._on_results([OpResult(action, "the connector stopped")])
+
+    def add_peer(self, peer: PeerRanks) -> None:
+        with self._lock:
+            self._peers[peer.peer] = peer
+            self._out.peers.append(peer)
+
+    # --- vLLM's side -------------------------------------------------------------
+
+    def take(self) -> Outbound:
+        """Everything for the workers since the last call (scheduler thread)."""
+        with self._lock:
+            out, self._out = self._out, Outbound()
+        return out
+
+    def known_peers(self) -> list[PeerRanks]:
+        """Every peer's ranks so far (for a worker that joins late)."""
+        with self._lock:
+            return list(self._peers.values())
+
+    def deliver(self, results: list[Result]) -> None:
+        """Results the workers reported (scheduler thread) into the pump."""
+        if results and self._on_results is not None:
+            self._on_results(results)

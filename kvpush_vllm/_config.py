@@ -1,0 +1,102 @@
+"""The connector's options: ``kv_connector_extra_config``, validated once.
+
+Every key is optional; docs/vllm.md lists them with an example. Unknown keys
+are refused (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.protocol import ConfigError, Mode, Timing
+
+__all__ = ("ConnectorConfig",)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    #: Control channel address of this instance. A prefill instance needs a
+    #: fixed ``port``: decode instances reach it there, and ``host:port`` is its
+    #: engine id (the router's ``peer`` for it). ``port`` 0 picks one (decode).
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: This instance's engine id; default ``host:port`` (or a random one with port 0).
+    engine_id: str = "kvpush"
+    #: Shared secret (>= 16 bytes) for HMAC on control frames and notices.
+    secret: bytes | None = None
+    #: Default mode for requests whose parameters do not say.
+    mode: Mode = Mode.PUSH
+    #: Decode: seconds a reservation waits for its KV before it fails.
+    ready_timeout: float = 30.0
+    #: Prefill: seconds finished KV waits for a registration.
+    kv_hold_timeout: float = 30.0
+    timing: Timing = field(default_factory=Timing)
+    #: NIXL: backends (LIBFABRIC on EFA) and their init parameters.
+    backends: tuple[str, ...] = ("UCX",)
+    backend_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config``; :class:`ConfigError` on misuse."""
+        raw = dict(extra or {})
+        known = {
+            "host", "port", "engine_id", "secret", "mode", "ready_timeout",
+            "kv_hold_timeout", "max_transit", "op_bound", "backends", "backend_params",
+        }  # fmt: skip
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}"
+            )
+        host = raw.get("host", "127.0.0.1")
+        port = raw.get("port", 0)
+        if not isinstance(host, str) or not host:
+            raise ConfigError(f"host must be a non-empty str, got {host!r}")
+        if type(port) is not int or not 0 <= port < 1 << 16:
+            raise ConfigError(f"port must be an int in [0, 65535], got {port!r}")
+        secret = raw.get("secret")
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
+            raise ConfigError("secret must be a str or bytes of at least 16 bytes")
+        mode = raw.get("mode", "push")
+        if mode not in ("push", "pull"):
+            raise ConfigError(f"mode must be 'push' or 'pull', got {mode!r}")
+        times = {}
+        for key, default in (
+            ("ready_timeout", 30.0),
+            ("kv_hold_timeout", 30.0),
+            ("max_transit", Timing().max_transit),
+            ("op_bound", Timing().op_bound),
+        ):
+            value = raw.get(key, default)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+            times[key] = float(value)
+        backends = raw.get("backends", ["UCX"])
+        if isinstance(backends, str) or not isinstance(backends, (list, tuple)) or not backends:
+            raise ConfigError(f"backends must be a non-empty list of names, got {backends!r}")
+        params = raw.get("backend_params", {})
+        if not isinstance(params, Mapping):
+            raise ConfigError("backend_params must map backend name -> {param: value}")
+        engine_id = raw.get("engine_id", "")
+        if not isinstance(engine_id, str):
+            raise ConfigError(f"engine_id must be a str, got {engine_id!r}")
+        if not engine_id:
+            engine_id = f"{host}:{port}" if port else f"kvpush-{secrets.token_hex(6)}"
+        return cls(
+            host=host,
+            port=port,
+            engine_id=engine_id,
+            secret=secret,
+            mode=Mode(mode),
+            ready_timeout=times["ready_timeout"],
+            kv_hold_timeout=times["kv_hold_timeout"],
+            timing=Timing(times["max_transit"], times["op_bound"]),
+            backends=tuple(backends),
+            backend_params=params,
+        )

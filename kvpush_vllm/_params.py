@@ -1,0 +1,158 @@
+"""The ``kv_transfer_params`` the kvpush router sends and the connector reads.
+
+This module is the one definition of that schema; the router builds it with
+:meth:`TransferParams.to_params` and the connector parses it with
+:meth:`TransferParams.from_params`. Each proxied request reaches two vLLM
+instances, each with::
+
+    "kv_transfer_params": {
+        "kvpush": {
+            "transfer_id": "kvp-3f0c...",   # the same on both legs
+            "role": "prefill" | "decode",   # which leg this instance serves
+            "mode": "push" | "pull",        # who moves the bytes
+            "peer": "...",                  # the other side (below)
+        }
+    }
+
+``peer`` on the prefill leg names the decode instance the router chose (its
+engine name, by default its URL): informational, since the decode registers
+with the prefill, never the other way round. On the decode leg it is the
+prefill's kvpush control address, ``host:port`` (IPv6 as ``[addr]:port``),
+which the decode connects to. Every key is required and no other key is
+allowed in the ``"kvpush"`` object; other top-level keys of
+``kv_transfer_params`` (another connector's) are ignored by the parser.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, cast
+
+from kvpush.protocol import ConfigError, Mode
+
+__all__ = (
+    "PARAMS_KEY",
+    "ROLES",
+    "LegRole",
+    "ParamsError",
+    "TransferParams",
+    "new_transfer_id",
+    "parse_host_port",
+)
+
+#: The key of kvpush's entry in ``kv_transfer_params``.
+PARAMS_KEY = "kvpush"
+#: Which leg of a request an instance serves.
+LegRole = Literal["prefill", "decode"]
+#: Every :data:`LegRole`.
+ROLES: tuple[LegRole, ...] = ("prefill", "decode")
+
+_FIELDS = ("transfer_id", "role", "mode", "peer")
+_MAX_LEN = 256
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+
+
+class ParamsError(ConfigError):
+    """``kv_transfer_params`` do not follow the schema; the message says how."""
+
+
+def new_transfer_id() -> str:
+    """A fresh transfer id: ``"kvp-"`` and 32 hex digits (a uuid4)."""
+    return f"kvp-{uuid.uuid4().hex}"
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6addr]:port`` for IPv6) into host and port."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ParamsError(f"IPv6 address must be bracketed, [addr]:port, got {text!r}")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ParamsError(f"expected host:port with a port in 1..65535, got {text!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferParams:
+    """kvpush's part of one leg's ``kv_transfer_params`` (see the module doc)."""
+
+    #: Router-assigned id of the transfer, the same on both legs.
+    transfer_id: str
+    #: ``"prefill"`` or ``"decode"``.
+    role: LegRole
+    #: Push (prefill WRITEs) or pull (decode READs).
+    mode: Mode
+    #: Prefill leg: the decode's name or URL. Decode leg: the prefill's ``host:port``.
+    peer: str
+
+    def __post_init__(self) -> None:
+        tid = self.transfer_id
+        if not isinstance(tid, str) or len(tid) > _MAX_LEN or not _ID.fullmatch(tid):
+            raise ParamsError(
+                f"transfer_id must be 1..{_MAX_LEN} characters of [A-Za-z0-9._:-] "
+                f"starting with a letter or digit, got {tid!r}"
+            )
+        if self.role not in ROLES:
+            raise ParamsError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if not isinstance(self.mode, Mode):
+            raise ParamsError(f"mode must be a kvpush.protocol.Mode, got {self.mode!r}")
+        if not isinstance(self.peer, str) or not self.peer or len(self.peer) > _MAX_LEN:
+            raise ParamsError(f"peer must be a non-empty str of <= {_MAX_LEN} characters")
+        if self.role == "decode":
+            parse_host_port(self.peer)
+
+    def peer_address(self) -> tuple[str, int]:
+        """The prefill's control address (decode leg only), as ``(host, port)``."""
+        if self.role != "decode":
+            raise ParamsError("only the decode leg's peer is a control address")
+        return parse_host_port(self.peer)
+
+    def to_params(self) -> dict[str, dict[str, str]]:
+        """The whole ``kv_transfer_params`` value for this leg (JSON-ready)."""
+        return {
+            PARAMS_KEY: {
+                "transfer_id": self.transfer_id,
+                "role": self.role,
+                "mode": self.mode.value,
+                "peer": self.peer,
+            }
+        }
+
+    @classmethod
+    def from_params(cls, kv_transfer_params: object) -> TransferParams | None:
+        """Parse a request's ``kv_transfer_params``.
+
+        Returns ``None`` when they are ``None`` or hold no ``"kvpush"`` entry (a
+        request the kvpush router did not route); raises :class:`ParamsError`
+        when they are not a JSON object or the entry breaks the schema.
+        """
+        if kv_transfer_params is None:
+            return None
+        if not isinstance(kv_transfer_params, Mapping):
+            raise ParamsError(
+                f"kv_transfer_params must be an object, got {type(kv_transfer_params).__name__}"
+            )
+        raw = kv_transfer_params.get(PARAMS_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, Mapping):
+            raise ParamsError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
+        missing = [k for k in _FIELDS if k not in raw]
+        extra = sorted(str(k) for k in raw if k not in _FIELDS)
+        if missing or extra:
+            raise ParamsError(
+                f"kv_transfer_params[{PARAMS_KEY!r}]: missing {missing}, unknown {extra}; "
+                f"expected exactly {list(_FIELDS)}"
+            )
+        for key in _FIELDS:
+            if not isinstance(raw[key], str):
+                raise ParamsError(f"{key} must be a string, got {type(raw[key]).__name__}")
+        try:
+            mode = Mode(raw["mode"])
+        except ValueError:
+            raise ParamsError(f"mode must be 'push' or 'pull', got {raw['mode']!r}") from None
+        return cls(raw["transfer_id"], cast(LegRole, raw["role"]), mode, raw["peer"])

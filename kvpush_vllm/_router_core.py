@@ -1,0 +1,326 @@
+"""The router's decisions, without I/O: upstream specs, load-based choice,
+the two legs' bodies, and the client-facing errors.
+
+Nothing here touches a socket or a clock; the pump (``_router_server``) feeds
+requests in and carries the results out.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvpush.protocol import ConfigError, Mode
+
+from ._params import LegRole, TransferParams, parse_host_port
+
+__all__ = (
+    "Balancer",
+    "DecodeSpec",
+    "Failure",
+    "FailureKind",
+    "Load",
+    "PrefillSpec",
+    "RequestError",
+    "UpstreamUrl",
+    "error_body",
+    "estimate_blocks",
+    "estimate_prompt_tokens",
+    "failure_status",
+    "split_request",
+    "sse_error_event",
+    "take_mode",
+    "upstream_message",
+)
+
+#: The body field that overrides ``--mode`` for one request (stripped before forwarding).
+MODE_FIELD = "kvpush_mode"
+#: Characters per token when a prompt comes as text (a rough, tokenizer-free estimate).
+CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamUrl:
+    """An upstream's base URL: ``http://host:port[/prefix]`` (no TLS, no user info)."""
+
+    host: str
+    port: int
+    prefix: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> UpstreamUrl:
+        try:
+            parts = urlsplit(text)
+            port = parts.port
+        except ValueError as exc:
+            raise ConfigError(f"bad upstream URL {text!r}: {exc}") from None
+        if parts.scheme != "http" or not parts.hostname:
+            raise ConfigError(f"upstream URL must be http://host[:port][/prefix], got {text!r}")
+        if parts.username is not None or parts.query or parts.fragment:
+            raise ConfigError(f"upstream URL takes no user info, query or fragment: {text!r}")
+        return cls(parts.hostname, port or 80, parts.path.rstrip("/"))
+
+    def target(self, path: str) -> str:
+        """The request target for ``path`` (``/v1/...``) on this upstream."""
+        return self.prefix + path
+
+    @property
+    def authority(self) -> str:
+        """``host:port`` for the Host header (IPv6 bracketed)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"http://{self.authority}{self.prefix}"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpec:
+    """A prefill instance: its HTTP URL and its kvpush control address (``host:port``)."""
+
+    url: UpstreamUrl
+    control: str
+
+    @classmethod
+    def parse(cls, text: str) -> PrefillSpec:
+        """``http://host:port@ctrlhost:ctrlport`` (the last ``@`` splits)."""
+        url, sep, control = text.rpartition("@")
+        if not sep:
+            raise ConfigError(f"prefill must be URL@CONTROL_HOST:PORT, got {text!r}")
+        try:
+            parse_host_port(control)
+        except ConfigError as exc:
+            raise ConfigError(f"prefill {text!r}: control address: {exc}") from None
+        return cls(UpstreamUrl.parse(url), control)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSpec:
+    """A decode instance: its HTTP URL and the name the prefill leg's ``peer`` carries."""
+
+    url: UpstreamUrl
+    name: str
+
+    @classmethod
+    def parse(cls, text: str) -> DecodeSpec:
+        """``http://host:port`` (named by its URL) or ``http://host:port@NAME``."""
+        url, sep, name = text.rpartition("@")
+        if not sep:
+            parsed = UpstreamUrl.parse(text)
+            return cls(parsed, str(parsed))
+        if not name:
+            raise ConfigError(f"decode name after '@' is empty in {text!r}")
+        return cls(UpstreamUrl.parse(url), name)
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One upstream's load as the router sees it (a snapshot)."""
+
+    #: Requests dispatched to it and not yet finished.
+    outstanding: int
+    #: Estimated KV blocks those requests hold.
+    reserved_blocks: int
+
+
+class Balancer:
+    """Least-loaded choice over ``n`` upstreams.
+
+    The key is (reserved blocks, outstanding requests, least recently picked):
+    KV memory first, then request slots; ties rotate.
+    """
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ConfigError("a balancer needs at least one upstream")
+        self._outstanding = [0] * n
+        self._blocks = [0] * n
+        self._last = [i - n for i in range(n)]  # never picked: index order
+        self._picks = 0
+
+    def acquire(self, blocks: int) -> int:
+        """Pick the least-loaded upstream and charge it ``blocks``; returns its index."""
+        best = min(
+            range(len(self._blocks)),
+            key=lambda i: (self._blocks[i], self._outstanding[i], self._last[i]),
+        )
+        self._outstanding[best] += 1
+        self._blocks[best] += blocks
+        self._last[best] = self._picks
+        self._picks += 1
+        return best
+
+    def release(self, index: int, blocks: int) -> None:
+        """Give back what :meth:`acquire` charged ``index``."""
+        if self._outstanding[index] < 1 or self._blocks[index] < blocks:
+            raise ValueError(f"release of upstream {index} without a matching acquire")
+        self._outstanding[index] -= 1
+        self._blocks[index] -= blocks
+
+    def loads(self) -> tuple[Load, ...]:
+        return tuple(Load(o, b) for o, b in zip(self._outstanding, self._blocks, strict=True))
+
+
+def _text_tokens(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def _prompt_tokens(prompt: object) -> int:
+    if isinstance(prompt, str):
+        return _text_tokens(prompt)
+    if isinstance(prompt, list):
+        if all(isinstance(t, int) for t in prompt):
+            return len(prompt)  # one prompt as token ids
+        return sum(_prompt_tokens(p) for p in prompt)  # a batch of prompts
+    return 0
+
+
+def _content_tokens(content: object) -> int:
+    if isinstance(content, str):
+        return _text_tokens(content)
+    if isinstance(content, list):  # content parts: count the text ones
+        return sum(
+            _text_tokens(part["text"])
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return 0
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
+    """Prompt length without a tokenizer: token-id lists count exactly, text
+    as ``ceil(chars / 4)``; chat messages sum their text contents."""
+    tokens = _prompt_tokens(body.get("prompt"))
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        tokens += sum(_content_tokens(m.get("content")) for m in messages if isinstance(m, dict))
+    return tokens
+
+
+def estimate_blocks(tokens: int, block_size: int) -> int:
+    """KV blocks a prompt of ``tokens`` holds: ``ceil(tokens / block_size)``, at least 1."""
+    return max(1, math.ceil(tokens / block_size))
+
+
+class RequestError(Exception):
+    """The client's request is refused before any upstream sees it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def take_mode(body: dict[str, Any], default: Mode) -> Mode:
+    """Pop ``kvpush_mode`` from ``body``: the request's mode, else ``default``."""
+    if MODE_FIELD not in body:
+        return default
+    raw = body.pop(MODE_FIELD)
+    try:
+        return Mode(raw)
+    except ValueError:
+        raise RequestError(400, f"{MODE_FIELD} must be 'push' or 'pull', got {raw!r}") from None
+
+
+def split_request(
+    body: Mapping[str, Any],
+    *,
+    transfer_id: str,
+    mode: Mode,
+    prefill: PrefillSpec,
+    decode: DecodeSpec,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The prefill and decode bodies for one client body (``kvpush_mode`` already taken).
+
+    Prefill: one token, not streamed (``stream_options`` and ``min_tokens``
+    dropped, vLLM refuses them then). Decode: the body as sent. Both get
+    ``kv_transfer_params`` replaced by kvpush's (see ``_params``).
+    """
+    p_params = TransferParams(transfer_id, "prefill", mode, decode.name)
+    d_params = TransferParams(transfer_id, "decode", mode, prefill.control)
+    pre = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    pre["max_tokens"] = 1
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    pre["stream"] = False
+    pre["kv_transfer_params"] = p_params.to_params()
+    dec = dict(body)
+    dec["kv_transfer_params"] = d_params.to_params()
+    return pre, dec
+
+
+class FailureKind(enum.Enum):
+    """How an upstream leg failed."""
+
+    #: Could not connect (refused, unreachable).
+    CONNECT = "connect"
+    #: A connect or total timeout ran out.
+    TIMEOUT = "timeout"
+    #: Answered with a non-2xx status.
+    STATUS = "status"
+    #: The connection broke or spoke bad HTTP mid-exchange.
+    BROKEN = "broken"
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One leg's failure, as the client will hear it."""
+
+    leg: LegRole
+    kind: FailureKind
+    detail: str
+    #: The upstream's status, for :attr:`FailureKind.STATUS`.
+    status: int | None = None
+
+
+def failure_status(failure: Failure) -> int:
+    """504 for a timeout; the upstream's own 4xx (a client error, retrying will
+    not help); 502 otherwise."""
+    if failure.kind is FailureKind.TIMEOUT:
+        return 504
+    if failure.kind is FailureKind.STATUS and failure.status and 400 <= failure.status < 500:
+        return failure.status
+    return 502
+
+
+_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestTooLarge",
+    502: "BadGateway",
+    503: "ServiceUnavailable",
+    504: "GatewayTimeout",
+}
+
+
+def _error(status: int, message: str) -> dict[str, Any]:
+    kind = _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def error_body(status: int, message: str) -> bytes:
+    """An OpenAI-style JSON error body."""
+    return json.dumps(_error(status, message)).encode()
+
+
+def sse_error_event(status: int, message: str) -> bytes:
+    """The same error as one server-sent event, for a stream already under way."""
+    return b"data: " + json.dumps(_error(status, message)).encode() + b"\n\n"
+
+
+def upstream_message(body: bytes) -> str:
+    """The message of an upstream's error body (OpenAI-style or not), clipped."""
+    try:
+        parsed = json.loads(body)
+        message = parsed["error"]["message"] if isinstance(parsed.get("error"), dict) else None
+        message = message or parsed.get("message") or parsed.get("detail")
+    except (ValueError, AttributeError, TypeError, KeyError):
+        message = None
+    text = str(message) if message else body.decode(errors="replace").strip()
+    return text[:500]

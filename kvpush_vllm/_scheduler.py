@@ -1,0 +1,307 @@
+"""The connector's scheduler side: one kvpush endpoint per vLLM instance.
+
+It runs in vLLM's engine-core process. A :class:`SchedulerSide` owns the
+instance's control channel and its protocol endpoint (a ``Consumer`` on a
+decode instance, a ``Producer`` on a prefill instance), pumped by the runtime
+on a background event loop (:class:`~kvpush.runtime.SyncRuntime`). The data
+plane is the workers': a :class:`WorkerBridge` carries transfers to them and
+their results back. This module only translates: requests become
+reservations or KV-ready inputs, protocol events become what vLLM must hear
+(``finished_sending``, ``finished_recving``, blocks that failed to load).
+Every protocol decision stays in the core.
+
+What vLLM hears, and when:
+
+* decode, ``Ready``: the request's KV is complete -> ``finished_recving``.
+* decode, ``Failed`` then ``Released``: the blocks are safe to reuse only at
+  ``Released`` (after the quarantine: no late write can land), so only then
+  -> ``finished_recving`` plus the blocks as load errors, and vLLM recomputes
+  or fails the request as ``kv_load_failure_policy`` says. Never parked.
+* decode, a request finished (aborted) while loading: the core aborts it; its
+  blocks are kept (``request_finished`` returns delay-free) until
+  ``Released`` -> ``finished_sending`` (the path vLLM frees them on).
+* prefill, ``SourceReleased``: every write settled -> ``finished_sending``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.protocol import (
+    Codec,
+    Consumer,
+    ConsumerConfig,
+    Event,
+    Failed,
+    Identity,
+    PeerFailed,
+    Producer,
+    ProducerConfig,
+    Ready,
+    Refused,
+    Released,
+    Role,
+    SourceReleased,
+)
+from kvpush.runtime import (
+    ConsumerRuntime,
+    ControlChannel,
+    EndpointRuntime,
+    ProducerRuntime,
+    Result,
+    SyncRuntime,
+    decode_rank,
+)
+
+from ._bridge import Outbound, WorkerBridge
+from ._config import ConnectorConfig
+from ._params import TransferParams
+
+__all__ = ("Reports", "SchedulerSide")
+
+log = logging.getLogger("kvpush.vllm")
+
+
+@dataclass(slots=True)
+class Reports:
+    """What the workers report to vLLM at the next step."""
+
+    sending: set[str] = field(default_factory=set)
+    recving: set[str] = field(default_factory=set)
+    #: req id -> its blocks that failed to load (also in ``recving``).
+    failed: dict[str, list[int]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.sending or self.recving or self.failed)
+
+
+@dataclass(slots=True)
+class _Transfer:
+    req_id: str
+    blocks: list[int]
+    #: decode: "loading", "failed", "aborted" (vLLM finished it), "preempted";
+    #: prefill: "sending".
+    state: str
+    failure: str = ""
+
+
+#: A transfer's key: (transfer id, epoch); the prefill side uses epoch 0 (it
+#: sees one transfer per id, whatever the decode's epochs).
+_Key = tuple[str, int]
+
+
+class SchedulerSide:
+    """One instance's endpoint, driven from vLLM's scheduler thread."""
+
+    def __init__(self, role: Role, config: ConnectorConfig, tp: int, num_kv_heads: int) -> None:
+        self.role, self.config, self.tp, self.num_kv_heads = role, config, tp, num_kv_heads
+        self.bridge = WorkerBridge()
+        self._sync: SyncRuntime[Any] | None = None
+        self._channel: ControlChannel | None = None
+        self._lock = threading.Lock()
+        self._by_key: dict[_Key, _Transfer] = {}
+        self._key_of: dict[str, _Key] = {}  # req id -> its live transfer
+        self._done: set[str] = set()  # decode req ids whose load ended
+        self._reports = Reports()
+        self.port = 0
+
+    # --- set-up ------------------------------------------------------------------
+
+    def start(self, rank_blobs: Mapping[int, bytes]) -> None:
+        """Build the endpoint once every worker rank described itself."""
+        if self._sync is not None:
+            return
+        if sorted(rank_blobs) != list(range(self.tp)):
+            raise ValueError(
+                f"expected handshake metadata of ranks 0..{self.tp - 1}, got {sorted(rank_blobs)}"
+            )
+        blobs = tuple(rank_blobs[r] for r in range(self.tp))
+        cfg = self.config
+        identity = Identity(
+            cfg.engine_id,
+            secrets.randbits(63),
+            tp=self.tp,
+            num_kv_heads=self.num_kv_heads,
+            layout=decode_rank(blobs[0])[1],
+            ranks=blobs,
+        )
+        codec = Codec(secret=cfg.secret)
+
+        async def setup(stack: contextlib.AsyncExitStack) -> EndpointRuntime[Any]:
+            channel = await stack.enter_async_context(
+                ControlChannel(cfg.engine_id, codec, max_age=cfg.timing.max_transit)
+            )
+            self.port = await channel.listen(cfg.host, cfg.port)
+            self._channel = channel
+            if self.role is Role.PRODUCER:
+                pc = ProducerConfig(identity, cfg.timing, kv_hold_timeout=cfg.kv_hold_timeout)
+                return ProducerRuntime(Producer(pc), channel, self.bridge)
+            cc = ConsumerConfig(identity, cfg.timing, ready_timeout=cfg.ready_timeout)
+            return ConsumerRuntime(Consumer(cc), channel, self.bridge)
+
+        self._sync = SyncRuntime(setup)
+
+    def close(self) -> None:
+        sync, self._sync = self._sync, None
+        if sync is not None:
+            sync.close()
+
+    # --- decode ------------------------------------------------------------------
+
+    def tokens_to_load(
+        self, req_id: str, params: TransferParams | None, prompt: int, computed: int
+    ) -> int:
+        """How many tokens the prefill will push (0: none, or already done)."""
+        if params is None or params.role != "decode" or req_id in self._done:
+            return 0
+        if req_id in self._key_of:
+            return 0  # already registered: vLLM asks again while it waits
+        return max(0, prompt - computed)
+
+    def reserve(
+        self, req_id: str, params: TransferParams, blocks: list[int], skip_tokens: int
+    ) -> None:
+        """Reserve ``blocks`` and register them with the prefill (``params.peer``)."""
+        host, port = params.peer_address()
+        mode = params.mode
+        sync, channel = self._running()
+        sync.call(channel.add_route, params.peer, host, port)
+        rt = sync.runtime
+        result, events = sync.call(
+            lambda: rt.reserve(
+                params.transfer_id, params.peer, [blocks], mode=mode, skip_tokens=skip_tokens
+            )
+        )
+        with self._lock:
+            if isinstance(result, Refused):
+                # Nothing was registered, nothing can land: fail it now.
+                self._done.add(req_id)
+                self._reports.recving.add(req_id)
+                self._reports.failed[req_id] = list(blocks)
+                log.warning("kvpush: load of %s refused: %s", req_id, result.reason.value)
+            else:
+                key = (params.transfer_id, result.epoch)
+                self._by_key[key] = _Transfer(req_id, list(blocks), "loading")
+                self._key_of[req_id] = key
+        self._absorb(events)
+
+    def preempted(self, req_id: str) -> None:
+        """vLLM preempted ``req_id``: withdraw a load in flight (the core drains
+        that epoch); a re-admission registers again under a newer epoch."""
+        with self._lock:
+            key = self._key_of.get(req_id)
+            tr = self._by_key.get(key) if key is not None else None
+            if key is None or tr is None or tr.state != "loading":
+                return
+            tr.state = "preempted"
+            del self._key_of[req_id]
+        sync, _ = self._running()
+        rt = sync.runtime
+        _, events = sync.call(lambda: rt.preempt(key[0]))
+        self._absorb(events)
+
+    def finished_decode(self, req_id: str) -> bool:
+        """vLLM finished the request; True if its blocks must wait (a load in flight)."""
+        with self._lock:
+            key = self._key_of.get(req_id)
+            tr = self._by_key.get(key) if key is not None else None
+            self._done.discard(req_id)
+            if key is None or tr is None:
+                return False
+            was, tr.state = tr.state, "aborted"
+            if was != "loading":
+                return True  # failed: its blocks wait for Released
+        sync, _ = self._running()
+        rt = sync.runtime
+        _, events = sync.call(lambda: rt.abort(key[0]))
+        self._absorb(events)
+        return True
+
+    # --- prefill -----------------------------------------------------------------
+
+    def kv_ready(self, req_id: str, params: TransferParams, blocks: list[int]) -> bool:
+        """The request's KV is complete in ``blocks``; True: keep them until sent."""
+        if not blocks:
+            return False
+        with self._lock:
+            key = (params.transfer_id, 0)
+            self._by_key[key] = _Transfer(req_id, list(blocks), "sending")
+            self._key_of[req_id] = key
+        sync, _ = self._running()
+        rt = sync.runtime
+        _, events = sync.call(lambda: rt.kv_ready(params.transfer_id, [blocks]))
+        self._absorb(events)
+        return True
+
+    def pending_push_work(self) -> bool:
+        with self._lock:
+            return bool(self._by_key) or bool(self._reports)
+
+    # --- every step ----------------------------------------------------------------
+
+    def step(self) -> tuple[Outbound, Reports]:
+        """Drain protocol events; what goes to the workers this step."""
+        if self._sync is not None:
+            self._absorb(self._sync.events())
+        with self._lock:
+            reports, self._reports = self._reports, Reports()
+        return self.bridge.take(), reports
+
+    def results(self, results: list[Result]) -> None:
+        """The workers' transfer results and notices, into the pump."""
+        self.bridge.deliver(results)
+
+    # --- internals -----------------------------------------------------------------
+
+    def _running(self) -> tuple[SyncRuntime[Any], ControlChannel]:
+        if self._sync is None or self._channel is None:
+            raise RuntimeError("kvpush: the workers have not registered their KV caches yet")
+        return self._sync, self._channel
+
+    def _absorb(self, events: list[Event]) -> None:
+        with self._lock:
+            for ev in events:
+                self._event(ev)
+
+    def _event(self, ev: Event) -> None:
+        if isinstance(ev, PeerFailed):
+            log.error("kvpush: handshake with %s failed: %s: %s", ev.peer, ev.field, ev.detail)
+            return
+        if not isinstance(ev, (Ready, Failed, Released, SourceReleased)):
+            return
+        key = (ev.transfer_id, 0 if isinstance(ev, SourceReleased) else ev.epoch)
+        tr = self._by_key.get(key)
+        if tr is None:
+            return
+        r = self._reports
+        if isinstance(ev, Ready):
+            r.recving.add(tr.req_id)
+            self._forget(key, tr)
+        elif isinstance(ev, Failed):
+            tr.failure = f"{ev.reason.value}: {ev.detail}" if ev.detail else ev.reason.value
+            if tr.state == "loading":
+                tr.state = "failed"
+            log.warning("kvpush: load of %s failed (%s)", tr.req_id, tr.failure)
+        elif isinstance(ev, Released):
+            if tr.state == "aborted":
+                r.sending.add(tr.req_id)  # the delayed free of a finished request
+            elif tr.state == "failed":
+                r.recving.add(tr.req_id)
+                r.failed[tr.req_id] = tr.blocks
+            self._forget(key, tr)  # "preempted": vLLM has moved on already
+        else:  # SourceReleased
+            r.sending.add(tr.req_id)
+            self._forget(key, tr)
+
+    def _forget(self, key: _Key, tr: _Transfer) -> None:
+        del self._by_key[key]
+        if self._key_of.get(tr.req_id) == key:
+            del self._key_of[tr.req_id]
+        if tr.state in ("loading", "failed") and self.role is Role.CONSUMER:
+            self._done.add(tr.req_id)  # its load ended: never again

@@ -1,0 +1,114 @@
+"""The connector's worker side: one TP rank's NIXL agent and data plane.
+
+Each vLLM worker process holds one rank's KV tensors. :class:`WorkerSide`
+registers them with one :class:`~kvpush_nixl.NixlTransport`, runs a
+single-rank :class:`~kvpush.runtime.DataPlane` (its own thread: plans, posts,
+polls, never on vLLM's forward path), and exchanges with the scheduler side
+only through the connector metadata: the transfers to post and the peers'
+rank descriptions go down, results and completion notices come back up.
+
+Every worker gets every action; it posts those whose route it serves (a
+producer rank posts the writes of its ``Source``, a consumer rank the reads
+of its ``consumer_rank``) and ignores the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from kvpush.protocol import Codec, KVLayout, Role, StartRead, StartWrite
+from kvpush.runtime import (
+    DataPlane,
+    NoticeIn,
+    OpResult,
+    PeerRanks,
+    Rank,
+    Result,
+    Transport,
+    encode_rank,
+)
+
+__all__ = ("WorkerSide",)
+
+
+class WorkerSide:
+    """One rank: register its KV, post its share of the transfers, report back."""
+
+    def __init__(self, role: Role, rank: int, tp: int, codec: Codec, transport: Transport) -> None:
+        self.role, self.rank, self.tp = role, rank, tp
+        self._codec = codec
+        self._transport = transport
+        self._dataplane: DataPlane | None = None
+        self._lock = threading.Lock()
+        self._results: list[Result] = []
+        self.blob: bytes | None = None
+        self._reported = {"posted": 0, "failed": 0, "bytes": 0, "notices": 0}
+        self._notices = 0
+
+    def register(self, layout: KVLayout) -> bytes:
+        """Register this rank's KV and start the data plane; returns the rank's
+        description for the handshake (transport metadata and layout)."""
+        if self._dataplane is not None:
+            raise RuntimeError("register() was already called")
+        dp = DataPlane(self.role, {self.rank: Rank(self._transport, layout)}, self.tp, self._codec)
+        dp.bind(self._collect)
+        dp.start()
+        self._dataplane = dp
+        self.blob = encode_rank(self._transport.metadata(), layout)
+        return self.blob
+
+    def step(self, actions: Sequence[StartWrite | StartRead], peers: Sequence[PeerRanks]) -> None:
+        """Apply one step's metadata: new peers first, then our actions."""
+        dp = self._dataplane
+        if dp is None:
+            if actions:
+                self._fail(actions, "the worker registered no KV caches")
+            return
+        for peer in peers:  # a new instance of a peer replaces the old one
+            dp.add_peer(peer)
+        for action in actions:
+            if self._serves(action):
+                dp.submit(action)
+
+    def take_results(self) -> list[Result]:
+        """Results and notices since the last call (thread-safe)."""
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def close(self) -> None:
+        dp, self._dataplane = self._dataplane, None
+        if dp is not None:
+            dp.stop()
+        self._transport.close()
+
+    def _serves(self, action: StartWrite | StartRead) -> bool:
+        route = action.route
+        if self.role is Role.PRODUCER:
+            return route.source.pp * self.tp + route.source.tp == self.rank
+        return route.consumer_rank == self.rank
+
+    def stats(self) -> dict[str, int]:
+        """Counts since the last call (posted, failed, bytes, notices)."""
+        dp = self._dataplane
+        if dp is None:
+            return {}
+        with self._lock:
+            now = {
+                "posted": dp.posted,
+                "failed": dp.failed_posts,
+                "bytes": dp.bytes_posted,
+                "notices": self._notices,
+            }
+            delta = {k: v - self._reported[k] for k, v in now.items()}
+            self._reported = now
+        return {k: v for k, v in delta.items() if v}
+
+    def _collect(self, results: list[Result]) -> None:
+        with self._lock:
+            self._results.extend(results)
+            self._notices += sum(isinstance(r, NoticeIn) for r in results)
+
+    def _fail(self, actions: Sequence[StartWrite | StartRead], why: str) -> None:
+        self._collect([OpResult(a, why) for a in actions if self._serves(a)])

@@ -1,0 +1,300 @@
+"""``KvpushConnector``: vLLM's KV connector interface over kvpush.
+
+Select it with::
+
+    KVTransferConfig(kv_connector="KvpushConnector",
+                     kv_connector_module_path="kvpush_vllm.connector",
+                     kv_role="kv_producer" | "kv_consumer",
+                     kv_connector_extra_config={...})   # see docs/vllm.md
+
+vLLM makes one instance per role. The scheduler-side instance (engine-core
+process) wraps a :class:`~kvpush_vllm._scheduler.SchedulerSide`: the
+instance's protocol endpoint and control channel. Each worker-side instance
+(one per TP rank) wraps a :class:`~kvpush_vllm._worker.WorkerSide`: the
+rank's NIXL agent and data plane. They talk only through vLLM's own
+channels: :class:`KvpushMetadata` down every step (transfers to post, peers'
+rank descriptions, what to report finished), :class:`KvpushWorkerMetadata`
+up (transfer results, completion notices), and the handshake metadata once
+(each rank's NIXL metadata and KV layout). This class only translates calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvpush.protocol import Codec, ConfigError, Role, StartRead, StartWrite
+from kvpush.runtime import PeerRanks, Result
+
+from ._config import ConnectorConfig
+from ._params import ParamsError, TransferParams
+from ._scheduler import SchedulerSide
+from ._stats import KvpushPromMetrics, KvpushStats
+from ._tensors import layout_from_tensors
+from ._worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ("KvpushConnector", "KvpushMetadata", "KvpushWorkerMetadata")
+
+log = logging.getLogger("kvpush.vllm")
+
+_ROLES = {"kv_producer": Role.PRODUCER, "kv_consumer": Role.CONSUMER}
+
+
+@dataclass
+class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler -> every worker, once per step."""
+
+    actions: list[StartWrite | StartRead] = field(default_factory=list)
+    peers: list[PeerRanks] = field(default_factory=list)
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    #: req id -> block ids that failed to load (those req ids are also in
+    #: ``finished_recving``).
+    load_failures: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class KvpushWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Every worker -> scheduler, once per step (aggregated by vLLM)."""
+
+    results: list[Result] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvpushWorkerMetadata)
+        return KvpushWorkerMetadata(self.results + other.results)
+
+
+@dataclass
+class KvpushHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """One rank's description (``encode_rank``: NIXL metadata and KV layout)."""
+
+    blob: bytes
+
+
+class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """See the module docs."""
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        if ktc.kv_role not in _ROLES:
+            raise ConfigError(
+                f"kvpush supports kv_role kv_producer or kv_consumer, got {ktc.kv_role!r}"
+            )
+        self._kv_role = _ROLES[ktc.kv_role]
+        self._config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        parallel = vllm_config.parallel_config
+        model = vllm_config.model_config
+        self._tp = parallel.tensor_parallel_size
+        self._block_size = vllm_config.cache_config.block_size
+        self._total_heads = model.get_total_num_kv_heads()
+        self._heads = model.get_num_kv_heads(parallel)
+        self._head_size = model.get_head_size()
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._local_hits: dict[str, int] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(self._kv_role, self._config, self._tp, self._total_heads)
+
+    # ==================== scheduler side ====================
+
+    def _params(self, request: Any) -> TransferParams | None:
+        try:
+            return TransferParams.from_params(request.kv_transfer_params)
+        except ParamsError as exc:
+            log.error("kvpush: request %s: %s", request.request_id, exc)
+            return None
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        assert self._sched is not None
+        blobs = {rank: m.blob for rank, m in metadata.items() if isinstance(m, KvpushHandshake)}
+        self._sched.start(blobs)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self._sched is None or self._kv_role is not Role.CONSUMER:
+            return 0, False
+        prompt = len(request.prompt_token_ids or ())
+        n = self._sched.tokens_to_load(
+            request.request_id, self._params(request), prompt, num_computed_tokens
+        )
+        if n:
+            self._local_hits[request.request_id] = num_computed_tokens
+        return n, n > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._sched is None or num_external_tokens <= 0 or self._kv_role is not Role.CONSUMER:
+            return
+        params = self._params(request)
+        if params is None:
+            return
+        skip = self._local_hits.pop(request.request_id, 0)
+        ids = list(blocks.get_block_ids()[0])
+        bs = self._block_size
+        first, end = skip // bs, -(-(skip + num_external_tokens) // bs)
+        self._sched.reserve(request.request_id, params, ids[first:end], skip)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._sched.preempted(req_id)
+        out, reports = self._sched.step()
+        return KvpushMetadata(
+            out.actions, out.peers, reports.sending, reports.recving, reports.failed
+        )
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._sched is not None and isinstance(meta, KvpushWorkerMetadata):
+            self._sched.results(meta.results)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        if self._sched is None:
+            return False, None
+        self._local_hits.pop(request.request_id, None)
+        if self._kv_role is Role.CONSUMER:
+            return self._sched.finished_decode(request.request_id), None
+        params = self._params(request)
+        if params is None or params.role != "prefill" or not _finished_normally(request):
+            return False, None
+        ids = block_ids[0] if isinstance(block_ids, tuple) else block_ids
+        return self._sched.kv_ready(request.request_id, params, list(ids)), None
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.pending_push_work()
+
+    def shutdown(self) -> None:
+        if self._sched is not None:
+            self._sched.close()
+        if self._worker is not None:
+            self._worker.close()
+
+    # ==================== worker side ====================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from kvpush_nixl import NixlTransport
+
+        rank = get_tensor_model_parallel_rank()
+        if self._tp >= self._total_heads:
+            head_start = rank * self._total_heads // self._tp
+        else:
+            head_start = rank * self._heads
+        layout = layout_from_tensors(
+            kv_caches,
+            block_size=self._block_size,
+            num_kv_heads=self._heads,
+            head_size=self._head_size,
+            head_start=head_start,
+        )
+        cfg = self._config
+        transport = NixlTransport(
+            f"{cfg.engine_id}-r{rank}", backends=cfg.backends, backend_params=cfg.backend_params
+        )
+        self._worker = WorkerSide(
+            self._kv_role, rank, self._tp, Codec(secret=cfg.secret), transport
+        )
+        self._worker.register(layout)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None or self._worker.blob is None:
+            return None
+        return KvpushHandshake(self._worker.blob)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvpushMetadata):
+            self._worker.step(connector_metadata.actions, connector_metadata.peers)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Nothing: transfers run on the data-plane thread, off the forward path."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing: a request runs only once its whole KV arrived."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing: the prefill's KV is sent whole once the request finished."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for (see :meth:`save_kv_layer`)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        meta = self._bound()
+        if meta is None:
+            return None, None
+        return set(meta.finished_sending) or None, set(meta.finished_recving) or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        meta = self._bound()
+        if meta is None:
+            return KVConnectorTransferResults()
+        return KVConnectorTransferResults(
+            finished_sending=set(meta.finished_sending),
+            finished_recving=set(meta.finished_recving),
+            failed_recving=set(meta.load_failures),
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        meta = self._bound()
+        if meta is None:
+            return set()
+        return {b for blocks in meta.load_failures.values() for b in blocks}
+
+    def get_kv_connector_stats(self) -> Any:
+        stats = self._worker.stats() if self._worker is not None else {}
+        return KvpushStats(data=stats) if stats else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return KvpushStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        return KvpushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        results = self._worker.take_results()
+        return KvpushWorkerMetadata(results) if results else None
+
+    def _bound(self) -> KvpushMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, KvpushMetadata) else None
+
+
+def _finished_normally(request: Any) -> bool:
+    """Finished by length or stop (not aborted): its KV is complete."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)

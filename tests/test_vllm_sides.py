@@ -1,0 +1,256 @@
+"""The vLLM connector's two halves without vLLM: a prefill and a decode
+:class:`SchedulerSide`, each with its :class:`WorkerSide` ranks over real NIXL
+(UCX on loopback), the per-step metadata shuttled by hand the way vLLM's
+engine does (scheduler -> workers, workers -> scheduler). Bytes verified;
+what vLLM would hear (finished sending / receiving, load errors) checked.
+The same classes under vLLM's real scheduler: tests/vllm/."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl._api", reason="NIXL is not installed (make test installs it)")
+
+from kvpush.protocol import Codec, ConfigError, HeadOrder, Mode, Role
+from kvpush_nixl import NixlTransport
+from kvpush_vllm._config import ConnectorConfig
+from kvpush_vllm._params import ParamsError, TransferParams
+from kvpush_vllm._scheduler import Reports, SchedulerSide
+from kvpush_vllm._tensors import layer_index, layout_from_tensors
+from kvpush_vllm._worker import WorkerSide
+
+BS, HEADS, HEAD, LAYERS, BLOCKS = 16, 4, 64, 2, 32  # HEADS: the model's KV heads
+
+
+class FakeTensor:
+    """The part of torch.Tensor the layout code reads, over a numpy array."""
+
+    def __init__(self, arr: np.ndarray, device: str = "cpu") -> None:
+        self.arr = arr
+        self.device = type("Device", (), {"type": device, "index": 0})()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.arr.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.arr.itemsize for s in self.arr.strides)
+
+    def data_ptr(self) -> int:
+        return int(self.arr.ctypes.data)
+
+    def element_size(self) -> int:
+        return int(self.arr.itemsize)
+
+
+def kv_tensors(order: str, heads: int = HEADS) -> dict[str, FakeTensor]:
+    """Per-layer (2, blocks, tokens, heads, channels) tensors, logically; HND
+    stores heads before tokens (a permuted view, as vLLM's stride order does)."""
+    out = {}
+    for layer in range(LAYERS):
+        if order == "NHD":
+            arr = np.zeros((2, BLOCKS, BS, heads, HEAD), dtype=np.float16)
+        else:
+            arr = np.zeros((2, BLOCKS, heads, BS, HEAD), dtype=np.float16).transpose(0, 1, 3, 2, 4)
+        out[f"model.layers.{layer}.self_attn.attn"] = FakeTensor(arr)
+    return out
+
+
+def test_params_round_trip_and_refusals() -> None:
+    p = TransferParams("kvp-1", "decode", Mode.PUSH, "127.0.0.1:9100")
+    assert TransferParams.from_params(p.to_params()) == p
+    assert TransferParams.from_params(None) is None
+    assert TransferParams.from_params({"other": 1}) is None
+    for bad in (
+        {"kvpush": "x"},
+        {"kvpush": {**p.to_params()["kvpush"], "role": "both"}},
+        {"kvpush": {**p.to_params()["kvpush"], "mode": "fast"}},
+        {"kvpush": {**p.to_params()["kvpush"], "peer": "no-port"}},
+        {"kvpush": {**p.to_params()["kvpush"], "transfer_id": ""}},
+    ):
+        with pytest.raises(ParamsError):
+            TransferParams.from_params(bad)
+
+
+def test_config_parses_and_refuses_typos() -> None:
+    cfg = ConnectorConfig.from_extra({"port": 9100, "mode": "pull", "secret": "s" * 16})
+    assert (cfg.engine_id, cfg.mode, cfg.secret) == ("127.0.0.1:9100", Mode.PULL, b"s" * 16)
+    assert ConnectorConfig.from_extra(None).engine_id.startswith("kvpush-")
+    for bad in ({"prot": 1}, {"port": -1}, {"secret": "short"}, {"op_bound": 0}, {"mode": "x"}):
+        with pytest.raises(ConfigError):
+            ConnectorConfig.from_extra(bad)
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_layout_is_read_from_sizes_and_strides(order: str) -> None:
+    tensors = kv_tensors(order)
+    layout = layout_from_tensors(tensors, block_size=BS, num_kv_heads=HEADS, head_size=HEAD)
+    assert [(r.layer, r.kind) for r in layout.regions] == [(0, "K"), (0, "V"), (1, "K"), (1, "V")]
+    t = tensors["model.layers.0.self_attn.attn"]
+    k, v = layout.regions[:2]
+    assert k.base == t.data_ptr() and v.base == t.data_ptr() + BLOCKS * BS * HEADS * HEAD * 2
+    assert k.order is HeadOrder[order] and k.block_len == BS * HEADS * HEAD * 2
+    assert layer_index("model.layers.12.attn") == 12
+    # A layout it cannot prove is refused, not guessed.
+    odd = {
+        "model.layers.0.attn": FakeTensor(np.zeros((2, BLOCKS, BS, HEADS, HEAD))[:, :, ::1, :, :32])
+    }
+    with pytest.raises(ConfigError, match="no dimension order"):
+        layout_from_tensors(odd, block_size=BS, num_kv_heads=HEADS, head_size=32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Instance:
+    """One vLLM instance's connector halves: scheduler side plus TP ranks."""
+
+    def __init__(self, role: Role, tp: int, port: int = 0, **timing: float) -> None:
+        extra: dict[str, Any] = {"port": port, **timing}
+        self.config = ConnectorConfig.from_extra(extra)
+        self.sched = SchedulerSide(role, self.config, tp, HEADS)
+        heads = HEADS // tp
+        # HND, as vLLM's CPU backend stores it: a TP mismatch sends head slices.
+        self.tensors = [kv_tensors("HND", heads) for _ in range(tp)]
+        self.workers = []
+        blobs = {}
+        for r in range(tp):
+            layout = layout_from_tensors(
+                self.tensors[r],
+                block_size=BS,
+                num_kv_heads=heads,
+                head_size=HEAD,
+                head_start=r * heads,
+            )
+            w = WorkerSide(role, r, tp, Codec(), NixlTransport(f"{self.config.engine_id}-r{r}"))
+            blobs[r] = w.register(layout)
+            self.workers.append(w)
+        self.sched.start(blobs)
+        self.seen = Reports()
+
+    def step(self) -> None:
+        """One engine step: metadata down, worker results up."""
+        out, reports = self.sched.step()
+        self.seen.sending |= reports.sending
+        self.seen.recving |= reports.recving
+        self.seen.failed.update(reports.failed)
+        results = []
+        for w in self.workers:
+            w.step(out.actions, out.peers)
+            results += w.take_results()
+        self.sched.results(results)
+
+    def close(self) -> None:
+        self.sched.close()
+        for w in self.workers:
+            w.close()
+
+
+def run_until(instances: list[Instance], done: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, [i.seen for i in instances]
+        for i in instances:
+            i.step()
+        time.sleep(0.002)
+
+
+def blocks_of(inst: Instance, layer: int, ids: list[int]) -> np.ndarray:
+    arrs = [t[f"model.layers.{layer}.self_attn.attn"].arr for t in inst.tensors]
+    return np.concatenate([a[:, ids] for a in arrs], axis=3)  # heads of all ranks
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "mode"), [(1, 1, "push"), (2, 1, "push"), (1, 2, "pull")])
+def test_a_request_moves_between_the_two_sides(p_tp: int, d_tp: int, mode: str) -> None:
+    prefill = Instance(Role.PRODUCER, p_tp, port=free_port())
+    decode = Instance(Role.CONSUMER, d_tp)
+    try:
+        peer = prefill.config.engine_id
+        assert peer == f"127.0.0.1:{prefill.sched.port}"
+        tid = "kvp-req-1"
+        src, dst = [3, 4, 5, 9], [10, 2, 7, 8]
+        rng = np.random.default_rng(0)
+        for t in prefill.tensors:
+            for layer in range(LAYERS):
+                a = t[f"model.layers.{layer}.self_attn.attn"].arr
+                a[:, src] = rng.standard_normal(a[:, src].shape).astype(np.float16)
+        params_d = TransferParams(tid, "decode", Mode(mode), peer)
+        assert decode.sched.tokens_to_load("d-1", params_d, 64, 0) == 64
+        decode.sched.reserve("d-1", params_d, dst, 0)
+        assert decode.sched.tokens_to_load("d-1", params_d, 64, 0) == 0  # asked again: no
+        params_p = TransferParams(tid, "prefill", Mode(mode), "decode-url")
+        assert prefill.sched.kv_ready("p-1", params_p, src) is True
+        run_until(
+            [prefill, decode],
+            lambda: "d-1" in decode.seen.recving and "p-1" in prefill.seen.sending,
+        )
+        assert decode.seen.failed == {}
+        for layer in range(LAYERS):
+            assert np.array_equal(blocks_of(decode, layer, dst), blocks_of(prefill, layer, src))
+        assert not prefill.sched.pending_push_work()
+        assert decode.sched.tokens_to_load("d-1", params_d, 64, 0) == 0  # done: never again
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_kv_that_never_comes_fails_the_load_at_its_deadline() -> None:
+    """The decode registers with a prefill whose KV never becomes ready: the
+    load fails at its deadline, and vLLM hears of it (finished + load errors)
+    only once the blocks are safe to reuse: here at once, since the prefill
+    answers the abort with Settled (it never started a write)."""
+    prefill = Instance(Role.PRODUCER, 1, port=free_port())
+    decode = Instance(Role.CONSUMER, 1, ready_timeout=0.5, max_transit=0.2, op_bound=0.3)
+    try:
+        peer = prefill.config.engine_id
+        params = TransferParams("kvp-lost", "decode", Mode.PUSH, peer)
+        started = time.monotonic()
+        decode.sched.reserve("d-2", params, [1, 2], 0)
+        run_until([prefill, decode], lambda: "d-2" in decode.seen.recving)
+        assert decode.seen.failed == {"d-2": [1, 2]}
+        assert time.monotonic() - started >= 0.5 - 0.05
+        # A decode request finished while loading keeps its blocks until released.
+        decode.sched.reserve("d-3", TransferParams("kvp-3", "decode", Mode.PUSH, peer), [5], 0)
+        assert decode.sched.finished_decode("d-3") is True
+        run_until([prefill, decode], lambda: "d-3" in decode.seen.sending)
+        assert "d-3" not in decode.seen.failed
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_preempted_load_registers_again_under_a_new_epoch() -> None:
+    """Preempted while loading: the old epoch is withdrawn (never reported to
+    vLLM), the re-admitted request registers again, and only the new epoch's
+    bytes make the request ready."""
+    prefill = Instance(Role.PRODUCER, 1, port=free_port())
+    decode = Instance(Role.CONSUMER, 1)
+    try:
+        peer = prefill.config.engine_id
+        params = TransferParams("kvp-pre", "decode", Mode.PUSH, peer)
+        src = [1, 2]
+        for layer in range(LAYERS):
+            prefill.tensors[0][f"model.layers.{layer}.self_attn.attn"].arr[:, src] = layer + 1
+        decode.sched.reserve("d-p", params, [3, 4], 0)
+        decode.step()
+        decode.sched.preempted("d-p")
+        assert decode.sched.tokens_to_load("d-p", params, 32, 0) == 32  # asks again
+        decode.sched.reserve("d-p", params, [5, 6], 0)  # new blocks, new epoch
+        prefill.sched.kv_ready("p-p", TransferParams("kvp-pre", "prefill", Mode.PUSH, "d"), src)
+        run_until([prefill, decode], lambda: "d-p" in decode.seen.recving)
+        assert decode.seen.failed == {} and decode.seen.sending == set()
+        for layer in range(LAYERS):
+            assert np.array_equal(blocks_of(decode, layer, [5, 6]), blocks_of(prefill, layer, src))
+            assert not blocks_of(decode, layer, [3, 4]).any()  # the old epoch got nothing
+        run_until([prefill, decode], lambda: not decode.sched.pending_push_work())
+    finally:
+        prefill.close()
+        decode.close()
