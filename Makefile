@@ -15,6 +15,8 @@ $(STAMP): $(PY) pyproject.toml
 	# NIXL without its torch requirement (not needed on DRAM): see pyproject's nixl extra.
 	$(PY) -m pip install -q --no-deps 'nixl>=1.0' 'nixl-cu12>=1.0'
 	$(PY) -c 'import nixl._api'
+	# The real vLLM 0.33 API on CPU, for tests/vllm (see the script).
+	bash scripts/install-vllm-api.sh $(PY)
 	touch $(STAMP)
 
 test: $(STAMP)

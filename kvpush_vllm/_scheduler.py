@@ -62,6 +62,7 @@ from kvpush.runtime import (
 from ._bridge import Outbound, WorkerBridge
 from ._config import ConnectorConfig
 from ._params import TransferParams
+from ._tensors import token_scale
 
 __all__ = ("Reports", "SchedulerSide")
 
@@ -99,8 +100,12 @@ _Key = tuple[str, int]
 class SchedulerSide:
     """One instance's endpoint, driven from vLLM's scheduler thread."""
 
-    def __init__(self, role: Role, config: ConnectorConfig, tp: int, num_kv_heads: int) -> None:
+    def __init__(
+        self, role: Role, config: ConnectorConfig, tp: int, num_kv_heads: int, block_size: int
+    ) -> None:
         self.role, self.config, self.tp, self.num_kv_heads = role, config, tp, num_kv_heads
+        self.block_size = block_size
+        self._scale = 1  # rows per token in the layout's blocks (see _tensors.token_scale)
         self.bridge = WorkerBridge()
         self._sync: SyncRuntime[Any] | None = None
         self._channel: ControlChannel | None = None
@@ -122,13 +127,15 @@ class SchedulerSide:
                 f"expected handshake metadata of ranks 0..{self.tp - 1}, got {sorted(rank_blobs)}"
             )
         blobs = tuple(rank_blobs[r] for r in range(self.tp))
+        layout = decode_rank(blobs[0])[1]
+        self._scale = token_scale(layout, self.block_size)
         cfg = self.config
         identity = Identity(
             cfg.engine_id,
             secrets.randbits(63),
             tp=self.tp,
             num_kv_heads=self.num_kv_heads,
-            layout=decode_rank(blobs[0])[1],
+            layout=layout,
             ranks=blobs,
         )
         codec = Codec(secret=cfg.secret)
@@ -175,7 +182,11 @@ class SchedulerSide:
         rt = sync.runtime
         result, events = sync.call(
             lambda: rt.reserve(
-                params.transfer_id, params.peer, [blocks], mode=mode, skip_tokens=skip_tokens
+                params.transfer_id,
+                params.peer,
+                [blocks],
+                mode=mode,
+                skip_tokens=skip_tokens * self._scale,
             )
         )
         with self._lock:

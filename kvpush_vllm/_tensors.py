@@ -5,8 +5,16 @@
 ``(2, num_blocks, block_size, num_kv_heads, head_size)`` (K and V split,
 FlashAttention and CPU) or ``(num_blocks, 2, ...)`` (interleaved), and their
 *physical* order on the stride order the backend asked for (NHD or HND inside
-a block). Rather than trusting a name, :func:`layout_from_tensors` reads each
-tensor's sizes and strides: it finds the K/V, block, token, head and channel
+a block). vLLM 0.33's CPU backend (layout ``LBHNC``) hands 4-D tensors,
+``(num_blocks, num_kv_heads, block_size, 2 * head_size)``, whose every
+(block, head) tile holds the head's ``block_size`` K rows and then its
+``block_size`` V rows (``head_size`` values each): that is one region of kind
+``"KV"`` in HND order with ``2 * block_size`` rows per block, *virtual tokens*
+(:func:`token_scale` is 2; prefix lengths given to the core are scaled
+alike, so both sides count the same units).
+
+Rather than trusting a name, :func:`layout_from_tensors` reads each tensor's
+sizes and strides: it finds the K/V, block, token, head and channel
 dimensions by size (the known ``block_size``, ``num_kv_heads`` and
 ``head_size``), checks that each block's cells are contiguous in NHD or HND
 order, and describes the K and V regions (base address, block stride, cell
@@ -22,7 +30,7 @@ from typing import Any, Protocol
 
 from kvpush.protocol import ConfigError, HeadOrder, KVLayout, MemoryType, Region
 
-__all__ = ("TensorLike", "layer_index", "layout_from_tensors")
+__all__ = ("TensorLike", "layer_index", "layout_from_tensors", "token_scale")
 
 
 class TensorLike(Protocol):
@@ -66,11 +74,61 @@ def layout_from_tensors(
     return KVLayout(tuple(regions))
 
 
+def token_scale(layout: KVLayout, block_size: int) -> int:
+    """Rows per real token in ``layout``'s blocks (2 for K-then-V tiles, else 1)."""
+    return layout.regions[0].tokens_per_block // block_size
+
+
+def _place(t: TensorLike) -> tuple[MemoryType, int]:
+    device = t.device
+    if getattr(device, "type", "cpu") == "cpu":
+        return MemoryType.DRAM, 0
+    return MemoryType.VRAM, int(getattr(device, "index", 0) or 0)
+
+
+def _tiled(
+    name: str, t: TensorLike, block_size: int, heads: int, head_size: int, head_start: int
+) -> list[Region] | None:
+    """The 4-D K-then-V tile layout (see the module docs), or None if ``t`` is not it."""
+    shape, strides, elem = list(t.shape), list(t.stride()), t.element_size()
+    if shape[1:] != [heads, block_size, 2 * head_size]:
+        return None
+    row = 2 * head_size  # one real token's K and V values
+    if strides[3] != 1 or strides[2] != row or strides[1] != block_size * row:
+        return None
+    memory, device = _place(t)
+    return [
+        Region(
+            layer=layer_index(name),
+            kind="KV",
+            base=t.data_ptr(),
+            num_blocks=shape[0],
+            block_len=heads * block_size * row * elem,
+            block_stride=strides[0] * elem,
+            tokens_per_block=2 * block_size,
+            num_heads=heads,
+            head_bytes=head_size * elem,
+            head_start=head_start,
+            order=HeadOrder.HND,
+            memory=memory,
+            device=device,
+        )
+    ]
+
+
 def _regions(
     name: str, t: TensorLike, block_size: int, heads: int, head_size: int, head_start: int
 ) -> list[Region]:
     shape, strides, elem = list(t.shape), list(t.stride()), t.element_size()
     where = f"KV cache {name!r} (shape {tuple(shape)}, strides {tuple(strides)})"
+    if len(shape) == 4:
+        tiled = _tiled(name, t, block_size, heads, head_size, head_start)
+        if tiled is None:
+            raise ConfigError(
+                f"{where}: a 4-D KV cache must be (blocks, {heads} heads, {block_size} tokens, "
+                f"2 x {head_size}) with K rows then V rows per (block, head), contiguous"
+            )
+        return tiled
     if len(shape) != 5:
         raise ConfigError(f"{where}: expected 5 dimensions (K/V, blocks, tokens, heads, channels)")
     found = None
@@ -97,10 +155,7 @@ def _regions(
         )
     kv, blk, order = found
     num_blocks = shape[blk]
-    device = t.device
-    is_cpu = getattr(device, "type", "cpu") == "cpu"
-    memory = MemoryType.DRAM if is_cpu else MemoryType.VRAM
-    dev_id = 0 if is_cpu else int(getattr(device, "index", 0) or 0)
+    memory, dev_id = _place(t)
     block_len = block_size * heads * head_size * elem
     base = t.data_ptr()
     return [

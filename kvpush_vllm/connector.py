@@ -108,7 +108,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         self._local_hits: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self._kv_role, self._config, self._tp, self._total_heads)
+            self._sched = SchedulerSide(
+                self._kv_role, self._config, self._tp, self._total_heads, self._block_size
+            )
 
     # ==================== scheduler side ====================
 
@@ -189,11 +191,15 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==================== worker side ====================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed import parallel_state
 
         from kvpush_nixl import NixlTransport
 
-        rank = get_tensor_model_parallel_rank()
+        # One process without model-parallel groups (tests, a single-rank
+        # engine) is rank 0.
+        rank = 0
+        if parallel_state.model_parallel_is_initialized():
+            rank = parallel_state.get_tensor_model_parallel_rank()
         if self._tp >= self._total_heads:
             head_start = rank * self._total_heads // self._tp
         else:

@@ -21,7 +21,7 @@ from kvpush_nixl import NixlTransport
 from kvpush_vllm._config import ConnectorConfig
 from kvpush_vllm._params import ParamsError, TransferParams
 from kvpush_vllm._scheduler import Reports, SchedulerSide
-from kvpush_vllm._tensors import layer_index, layout_from_tensors
+from kvpush_vllm._tensors import layer_index, layout_from_tensors, token_scale
 from kvpush_vllm._worker import WorkerSide
 
 BS, HEADS, HEAD, LAYERS, BLOCKS = 16, 4, 64, 2, 32  # HEADS: the model's KV heads
@@ -116,7 +116,7 @@ class Instance:
     def __init__(self, role: Role, tp: int, port: int = 0, **timing: float) -> None:
         extra: dict[str, Any] = {"port": port, **timing}
         self.config = ConnectorConfig.from_extra(extra)
-        self.sched = SchedulerSide(role, self.config, tp, HEADS)
+        self.sched = SchedulerSide(role, self.config, tp, HEADS, BS)
         heads = HEADS // tp
         # HND, as vLLM's CPU backend stores it: a TP mismatch sends head slices.
         self.tensors = [kv_tensors("HND", heads) for _ in range(tp)]
@@ -254,3 +254,28 @@ def test_a_preempted_load_registers_again_under_a_new_epoch() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def test_the_cpu_backends_k_then_v_tiles_are_one_region_of_virtual_tokens() -> None:
+    """vLLM 0.33 on CPU: (blocks, heads, tokens, 2 x head_size), each (block,
+    head) tile K rows then V rows: one "KV" region, HND, 2 x block_size rows."""
+    arr = np.zeros((BLOCKS, HEADS, BS, 2 * HEAD), dtype=np.float32)
+    layout = layout_from_tensors(
+        {"model.layers.0.attn": FakeTensor(arr)}, block_size=BS, num_kv_heads=HEADS, head_size=HEAD
+    )
+    (r,) = layout.regions
+    assert (r.kind, r.order, r.tokens_per_block, r.num_heads) == (
+        "KV",
+        HeadOrder.HND,
+        2 * BS,
+        HEADS,
+    )
+    assert r.block_len == arr[0].nbytes and r.stride == arr.strides[0]
+    assert token_scale(layout, BS) == 2
+    with pytest.raises(ConfigError, match="4-D KV cache"):
+        layout_from_tensors(
+            {"model.layers.0.attn": FakeTensor(arr.transpose(0, 2, 1, 3))},
+            block_size=HEADS,
+            num_kv_heads=BS,
+            head_size=HEAD,
+        )

@@ -1,0 +1,216 @@
+"""``KvpushConnector`` under vLLM 0.33's real ``Scheduler``, with real ``Request``s,
+real CPU KV tensors from vLLM's own allocator and real NIXL between a prefill
+and a decode worker (two instances in this process, stepped like engines).
+
+Each engine step is what vLLM's engine core and model runner do: schedule,
+run the worker-side connector lifecycle (``kv_connector_no_forward``: bind,
+start_load_kv, wait_for_save, get_transfer_results, load errors, worker
+metadata, clear), sample one token per scheduled request, update_from_output.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import torch
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+from kvpush.protocol import Mode
+from kvpush_vllm import TransferParams
+from kvpush_vllm.connector import KvpushConnector
+
+CONNECTOR, MODULE = "KvpushConnector", "kvpush_vllm.connector"
+FAST = {"ready_timeout": 1.0, "max_transit": 0.2, "op_bound": 0.3}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Engine:
+    """One vLLM instance: its real scheduler and one worker (TP 1)."""
+
+    def __init__(
+        self, make_scheduler: Any, make_worker: Any, role: str, extra: dict[str, Any], **kw: Any
+    ) -> None:
+        self.scheduler, self.config, kv_cache_config = make_scheduler(
+            role, CONNECTOR, MODULE, extra, **kw
+        )
+        self.connector = self.scheduler.get_kv_connector()
+        assert isinstance(self.connector, KvpushConnector)
+        self.worker, self.kv = make_worker(self.config, kv_cache_config)
+        # What the engine core does after the workers registered their KV caches.
+        meta = self.worker.get_handshake_metadata()
+        assert meta is not None
+        self.connector.set_xfer_handshake_metadata({0: meta})
+        self.finished: list[str] = []
+        self.sent: set[str] = set()
+        self.recved: set[str] = set()
+
+    def step(self, monkeypatch: pytest.MonkeyPatch) -> Any:
+        out = self.scheduler.schedule()
+        monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", self.worker)
+        ran = KVConnectorModelRunnerMixin.kv_connector_no_forward(out, self.config)
+        kvo = ran.kv_connector_output
+        if kvo is not None:
+            self.sent |= kvo.finished_sending or set()
+            self.recved |= kvo.finished_recving or set()
+        req_ids = list(out.num_scheduled_tokens)
+        result = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[7] for _ in req_ids],
+            kv_connector_output=kvo,
+        )
+        for outputs in self.scheduler.update_from_output(out, result).values():
+            self.finished += [o.request_id for o in outputs.outputs if o.finish_reason is not None]
+        return out
+
+    def blocks(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def run(
+    engines: list[Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    done: Callable[[], bool],
+    timeout: float = 20.0,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        for e in engines:
+            e.step(monkeypatch)
+        time.sleep(0.002)
+
+
+def fill(engine: Engine, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for kv in engine.kv.values():
+        kv.copy_(torch.randn(kv.shape, generator=gen))
+
+
+@pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])
+def test_a_request_is_handed_off_between_two_real_schedulers(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: Mode,
+) -> None:
+    port = free_port()
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {"port": port})
+    decode = Engine(make_scheduler, make_worker_connector, "kv_consumer", {})
+    fill(prefill, 1)
+    prompt = list(range(3, 43))  # 40 tokens: 3 blocks of 16, the last partly used
+    tid, peer = "kvp-e2e-1", f"127.0.0.1:{port}"
+    p_params = TransferParams(tid, "prefill", mode, "decode").to_params()
+    d_params = TransferParams(tid, "decode", mode, peer).to_params()
+    # Both legs at once: the decode registers while the prefill computes.
+    decode.scheduler.add_request(make_request("d1", prompt, 4, d_params))
+    prefill.scheduler.add_request(make_request("p1", prompt, 1, p_params))
+    out = decode.step(monkeypatch)
+    assert decode.scheduler.requests["d1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert out.num_scheduled_tokens == {}
+    d_blocks = decode.blocks("d1")
+    prefill.step(monkeypatch)  # computes the prompt, samples its one token
+    assert "p1" in prefill.finished
+    p_blocks = prefill.blocks("p1")  # held: request_finished asked for a delayed free
+    assert len(p_blocks) == len(d_blocks) == 3
+    run([prefill, decode], monkeypatch, lambda: "d1" in decode.recved and "p1" in prefill.sent)
+    layer = next(iter(decode.kv))
+    assert torch.equal(decode.kv[layer][d_blocks], prefill.kv[layer][p_blocks])
+    for name in decode.kv:
+        assert torch.equal(decode.kv[name][d_blocks], prefill.kv[name][p_blocks]), name
+    # The decode runs; the prefill's blocks went back to its pool.
+    run([prefill, decode], monkeypatch, lambda: "d1" in decode.finished)
+    assert "p1" not in prefill.scheduler.requests
+    assert not prefill.connector.has_pending_push_work()
+
+
+def test_a_load_that_fails_is_reported_as_load_errors_and_recomputed(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Registered with a prefill that is not there: the reservation fails at its
+    deadline, its blocks come back as load errors, and vLLM (policy
+    "recompute") computes the prompt itself: never parked."""
+    decode = Engine(
+        make_scheduler,
+        make_worker_connector,
+        "kv_consumer",
+        FAST,
+        kv_load_failure_policy="recompute",
+    )
+    params = TransferParams("kvp-lost", "decode", Mode.PUSH, f"127.0.0.1:{free_port()}").to_params()
+    decode.scheduler.add_request(make_request("d2", list(range(3, 43)), 2, params))
+    started = time.monotonic()
+    scheduled: dict[str, int] = {}
+
+    def computed() -> bool:
+        scheduled.update(decode.step(monkeypatch).num_scheduled_tokens)
+        return "d2" in scheduled
+
+    run([], monkeypatch, computed)
+    assert time.monotonic() - started >= FAST["ready_timeout"] - 0.1
+    assert scheduled["d2"] > 1  # recomputing the prompt, not decoding on garbage
+    run([decode], monkeypatch, lambda: "d2" in decode.finished)
+
+
+def test_a_decode_request_aborted_while_loading_keeps_its_blocks_until_released(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port = free_port()
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {"port": port})
+    decode = Engine(make_scheduler, make_worker_connector, "kv_consumer", FAST)
+    params = TransferParams("kvp-abort", "decode", Mode.PUSH, f"127.0.0.1:{port}").to_params()
+    decode.scheduler.add_request(make_request("d3", list(range(3, 43)), 2, params))
+    decode.step(monkeypatch)
+    held = decode.blocks("d3")
+    decode.scheduler.finish_requests("d3", RequestStatus.FINISHED_ABORTED)
+    assert "d3" in decode.scheduler.requests  # kept: a write might still land
+    free_before = decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    run([prefill, decode], monkeypatch, lambda: "d3" in decode.sent)
+    run([decode], monkeypatch, lambda: "d3" not in decode.scheduler.requests)
+    free_after = decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert free_after >= free_before + len(held)
+
+
+def test_a_prefill_engine_keeps_stepping_while_a_push_is_pending(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {"port": free_port()})
+    params = TransferParams("kvp-wait", "prefill", Mode.PUSH, "decode").to_params()
+    prefill.scheduler.add_request(make_request("p4", list(range(3, 43)), 1, params))
+    prefill.step(monkeypatch)
+    assert "p4" in prefill.finished and "p4" in prefill.scheduler.requests  # blocks held
+    assert prefill.connector.has_pending_push_work()
+    assert prefill.scheduler.has_requests()  # vLLM's loop keeps stepping
+
+
+def test_stats_and_prometheus_hooks(make_scheduler: Any) -> None:
+    stats = KvpushConnector.build_kv_connector_stats({"posted": 2, "bytes": 10})
+    stats = stats.aggregate(KvpushConnector.build_kv_connector_stats({"posted": 1, "notices": 3}))
+    assert stats.reduce() == {"posted": 3, "failed": 0, "bytes": 10, "notices": 3}
+    assert not stats.is_empty()
