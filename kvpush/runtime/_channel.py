@@ -57,7 +57,6 @@ from typing import Final
 import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
-from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvpush.protocol import (
@@ -68,6 +67,7 @@ from kvpush.protocol import (
     Timing,
 )
 
+from ._channel_links import _CLOSED, _NET_ERRORS, _NEW, _OPEN, _Links
 from ._channel_peer import _Conn, _Outbox, _Peer
 from ._channel_types import (
     Backoff,
@@ -84,15 +84,7 @@ from ._channel_types import (
     _check_name,
     _positive,
 )
-from ._framing import (
-    MAX_PREAMBLE_BYTES,
-    Ack,
-    FramingError,
-    Preamble,
-    encode_frame,
-    read_frame,
-    write_frame,
-)
+from ._framing import FramingError, encode_frame, read_frame
 
 __all__ = (
     "Backoff",
@@ -112,25 +104,11 @@ __all__ = (
 
 log = logging.getLogger("kvpush.runtime.channel")
 
-#: Connections still in their preamble at once; more are closed unread.
-_MAX_HANDSHAKES: Final = 64
 #: How long aclose() waits for the channel's tasks to finish (they are cancelled).
 _CLOSE_GRACE: Final = 2.0
 
-_NET_ERRORS = (
-    OSError,  # includes TimeoutError
-    anyio.EndOfStream,
-    anyio.IncompleteRead,
-    anyio.BrokenResourceError,
-    anyio.ClosedResourceError,
-)
 
-
-
-_NEW, _OPEN, _CLOSED = "new", "open", "closed"
-
-
-class ControlChannel:
+class ControlChannel(_Links):
     """Control frames between this endpoint (``name``) and its peers over TCP.
 
     Use as ``async with ControlChannel(name, codec) as ch:``; inside, call
@@ -526,7 +504,7 @@ class ControlChannel:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, opt, max(1, round(self._max_age * 1000)))
 
-    # --- per-peer task: dial, then drain the queue ------------------------------------
+    # --- per-peer task: dial (see _channel_links), then drain the queue ---------------
 
     async def _run_peer(self, p: _Peer) -> None:
         with anyio.CancelScope() as scope:
@@ -563,146 +541,6 @@ class ControlChannel:
                 continue
             p.write_failures += len(frames)
             self._drop(p, conn, reason)
-
-    async def _connect(self, p: _Peer) -> None:
-        """Dial until the peer is connected (by us or by its own dial)."""
-        attempt = 0
-        while p.active is None and p.route is not None and not p.forgotten:
-            changed = p.conn_changed.waiter()
-            if await self._dial(p, p.route):
-                return
-            # ``changed`` is already set if the peer's own dial won meanwhile.
-            with anyio.move_on_after(self._backoff.delay(attempt, self._rng)):
-                await changed.wait()
-            attempt += 1
-
-    async def _dial(self, p: _Peer, route: tuple[str, int]) -> bool:
-        conn_id = secrets.randbits(64) | 1
-        pre = Preamble(self._name, self._instance, conn_id, p.last_conn_id)
-        p.pending = conn_id
-        stream: anyio.abc.SocketStream | None = None
-        try:
-            with anyio.fail_after(self._connect_timeout):
-                stream = await anyio.connect_tcp(*route)
-                self._sockets.add(stream)
-                self._tune(stream)
-                receiver = BufferedByteReceiveStream(stream)
-                await write_frame(stream, pre.encode())
-                ack = Ack.decode(await read_frame(receiver, max_frame_bytes=MAX_PREAMBLE_BYTES))
-        except (*_NET_ERRORS, RemoteProtocolError) as exc:
-            p.connect_failures += 1
-            log.debug("%s: dial %s at %s:%d failed: %r", self._name, p.name, *route, exc)
-            if stream is not None:
-                await self._close_now(stream)
-            return False
-        except BaseException:
-            if stream is not None:
-                with anyio.CancelScope(shield=True):
-                    await self._close_now(stream)
-            raise
-        finally:
-            if p.pending == conn_id:
-                p.pending = None
-        if ack.name != p.name or ack.conn_id != conn_id:
-            p.connect_failures += 1
-            log.warning(
-                "%s: %s:%d answered as %r (connection %#x), not %r",
-                self._name,
-                *route,
-                ack.name,
-                ack.conn_id,
-                p.name,
-            )
-            await self._close_now(stream)
-            return False
-        if p.active is not None or p.forgotten or self._state is not _OPEN:
-            await self._close_now(stream)  # the peer's own dial won meanwhile
-            return False
-        conn = _Conn(stream, receiver, conn_id, ack.instance)
-        self._tg().start_soon(self._read_loop, p, conn, self._install(p, conn))
-        return True
-
-    # --- accepting --------------------------------------------------------------------
-
-    async def _accept_loop(self, listener: anyio.abc.SocketListener) -> None:
-        while True:
-            try:
-                stream = await listener.accept()
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                return
-            except OSError as exc:  # out of descriptors and the like: keep serving
-                log.warning("%s: accept failed: %r", self._name, exc)
-                await anyio.sleep(0.1)
-                continue
-            if self._state is not _OPEN:
-                await self._close_now(stream)
-                return
-            self._tg().start_soon(self._on_accept, stream)
-
-    async def _on_accept(self, stream: anyio.abc.SocketStream) -> None:
-        self._sockets.add(stream)
-        if self._handshakes >= _MAX_HANDSHAKES:
-            self._handshake_failures += 1
-            log.warning("%s: too many connections in handshake; closing one", self._name)
-            await self._close_now(stream)
-            return
-        self._handshakes += 1
-        try:
-            self._tune(stream)
-            receiver = BufferedByteReceiveStream(stream)
-            with anyio.fail_after(self._connect_timeout):
-                frame = await read_frame(receiver, max_frame_bytes=MAX_PREAMBLE_BYTES)
-            hello = Preamble.decode(frame)
-        except (*_NET_ERRORS, RemoteProtocolError) as exc:
-            self._handshake_failures += 1
-            log.warning("%s: refused a connection before its preamble: %r", self._name, exc)
-            await self._close_now(stream)
-            return
-        finally:
-            self._handshakes -= 1
-        admitted = self._admit(hello, stream, receiver)
-        if admitted is None:
-            await self._close_now(stream)
-            return
-        p, conn, events = admitted
-        try:
-            with anyio.fail_after(self._connect_timeout):
-                await write_frame(stream, Ack(self._name, self._instance, hello.conn_id).encode())
-        except _NET_ERRORS as exc:
-            self._drop(p, conn, f"ack failed: {exc!r}")
-        finally:
-            conn.lock.release()
-        await self._read_loop(p, conn, events)
-
-    def _admit(
-        self,
-        hello: Preamble,
-        stream: anyio.abc.SocketStream,
-        receiver: BufferedByteReceiveStream,
-    ) -> tuple[_Peer, _Conn, list[ChannelEvent]] | None:
-        """Decide on a dialed connection; if accepted, install it (write lock held)."""
-        name = hello.name
-        if self._state is not _OPEN:
-            return None
-        if name == self._name:
-            self._handshake_failures += 1
-            log.warning("%s: refused a connection that claims our own name", self._name)
-            return None
-        p = self._peers.get(name)
-        if p is not None:
-            a = p.active
-            if a is not None:
-                if a.instance == hello.instance and hello.supersedes != a.conn_id:
-                    log.debug("%s: refused a duplicate connection from %s", self._name, name)
-                    return None
-            elif p.pending is not None and self._name < name:
-                log.debug("%s: refused %s's dial (ours wins)", self._name, name)
-                return None
-        else:
-            p = self._new_peer(name, None)
-        conn = _Conn(stream, receiver, hello.conn_id, hello.instance)
-        conn.lock.acquire_nowait()  # the ack goes first
-        return p, conn, self._install(p, conn)
 
     # --- reading ----------------------------------------------------------------------
 
