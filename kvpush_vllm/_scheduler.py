@@ -250,6 +250,14 @@ class SchedulerSide:
         self._absorb(events)
         return True
 
+    def abandon(self, params: TransferParams) -> None:
+        """The prefill request ended without its KV (aborted): tell the decode
+        now, if it registered already, rather than at its deadline."""
+        sync, _ = self._running()
+        rt = sync.runtime
+        _, events = sync.call(lambda: rt.abort(params.transfer_id))
+        self._absorb(events)
+
     def pending_push_work(self) -> bool:
         with self._lock:
             return bool(self._by_key) or bool(self._reports)

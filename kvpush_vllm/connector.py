@@ -174,7 +174,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._kv_role is Role.CONSUMER:
             return self._sched.finished_decode(request.request_id), None
         params = self._params(request)
-        if params is None or params.role != "prefill" or not _finished_normally(request):
+        if params is None or params.role != "prefill":
+            return False, None
+        if not _finished_normally(request):
+            self._sched.abandon(params)
             return False, None
         ids = block_ids[0] if isinstance(block_ids, tuple) else block_ids
         return self._sched.kv_ready(request.request_id, params, list(ids)), None

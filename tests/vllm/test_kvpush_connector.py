@@ -214,3 +214,31 @@ def test_stats_and_prometheus_hooks(make_scheduler: Any) -> None:
     stats = stats.aggregate(KvpushConnector.build_kv_connector_stats({"posted": 1, "notices": 3}))
     assert stats.reduce() == {"posted": 3, "failed": 0, "bytes": 10, "notices": 3}
     assert not stats.is_empty()
+
+
+def test_an_aborted_prefill_fails_the_decode_load_at_once(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prefill leg is aborted (client gone, say) after the decode registered:
+    the decode hears of it now, not at its 30 s deadline, and recomputes."""
+    port = free_port()
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {"port": port})
+    decode = Engine(
+        make_scheduler, make_worker_connector, "kv_consumer", {}, kv_load_failure_policy="recompute"
+    )
+    tid, prompt = "kvp-gone", list(range(3, 43))
+    d_params = TransferParams(tid, "decode", Mode.PUSH, f"127.0.0.1:{port}").to_params()
+    p_params = TransferParams(tid, "prefill", Mode.PUSH, "decode").to_params()
+    prefill.scheduler.add_request(make_request("p5", prompt, 1, p_params))
+    decode.scheduler.add_request(make_request("d5", prompt, 2, d_params))
+    decode.step(monkeypatch)
+    # Let the registration reach the prefill before its request is aborted.
+    time.sleep(0.3)
+    prefill.scheduler.finish_requests("p5", RequestStatus.FINISHED_ABORTED)
+    started = time.monotonic()
+    run([prefill, decode], monkeypatch, lambda: "d5" in decode.recved, timeout=15)
+    assert time.monotonic() - started < 10  # the deadline is 30 s
+    assert "p5" not in prefill.scheduler.requests  # nothing held on the prefill
