@@ -81,10 +81,14 @@ class SideSpec:
     peer_lost_after: float = 1.0
     #: Post every transfer by index into prepared lists (else NIXL's measured rule).
     prepped: bool = False
+    #: The model's KV heads (a different count on the two sides: incompatible).
+    heads: int = HEADS
+    #: Consumer: the reservation budget in blocks (None: unlimited).
+    max_reserved_blocks: int | None = None
 
 
 def rank_layout(spec: SideSpec, rank: int, base: int) -> KVLayout:
-    heads = HEADS // spec.tp
+    heads = spec.heads // spec.tp
     block_len = spec.tokens * heads * HEAD_BYTES
     span = 2 * spec.blocks * block_len
     return KVLayout(
@@ -172,7 +176,7 @@ class Side:
         codec = Codec(secret=SECRET)
         ranks = {}
         for r in range(spec.tp):
-            size = LAYERS * 2 * spec.blocks * spec.tokens * (HEADS // spec.tp) * HEAD_BYTES
+            size = LAYERS * 2 * spec.blocks * spec.tokens * (spec.heads // spec.tp) * HEAD_BYTES
             mem = np.zeros(size, dtype=np.uint8)
             layout = rank_layout(spec, r, mem.ctypes.data)
             rule = PrepRule(min_merge_ratio=0.0, min_rows=0) if spec.prepped else None
@@ -190,7 +194,7 @@ class Side:
             spec.name,
             secrets.randbits(63),
             tp=spec.tp,
-            num_kv_heads=HEADS,
+            num_kv_heads=spec.heads,
             layout=self.layouts[0],
             ranks=blobs,
         )
@@ -207,7 +211,10 @@ class Side:
                 runtime = ProducerRuntime(Producer(config), channel, dataplane)
             else:
                 cconfig = ConsumerConfig(
-                    identity, timing=spec.timing, ready_timeout=spec.ready_timeout
+                    identity,
+                    timing=spec.timing,
+                    ready_timeout=spec.ready_timeout,
+                    max_reserved_blocks=spec.max_reserved_blocks,
                 )
                 runtime = ConsumerRuntime(Consumer(cconfig), channel, dataplane)
             async with anyio.create_task_group() as tg:
@@ -247,10 +254,21 @@ class Side:
             result = runtime.reserve(
                 tid, self.spec.peer, [blocks], mode=Mode(mode), skip_tokens=skip
             )
-            return ("refused",) if isinstance(result, Refused) else ("reserved", result.epoch)
+            if isinstance(result, Refused):
+                return ("refused", result.reason.value)
+            return ("reserved", result.epoch)
         if kind == "kv_ready":
             tid, blocks = args
             runtime.kv_ready(tid, [blocks])
+            return ("ok",)
+        if kind == "abort":
+            return ("aborted", runtime.abort(args[0]))
+        if kind == "drop_agents":
+            # The next post to the peer fails (its NIXL agent is gone): as a
+            # post that fails on a real fabric.
+            for t in self.transports:
+                for agent in t.inner.peers:
+                    t.inner.remove_peer(agent)
             return ("ok",)
         if kind == "pause":
             for t in self.transports:

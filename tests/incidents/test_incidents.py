@@ -1,0 +1,152 @@
+"""Push-mode failures others shipped, replayed against the real runtime: two
+processes, real NIXL on loopback (``tests/nixl_side.py``). One test per
+scenario; each docstring names the incident. Each asserts that no block a
+request was told is ready holds wrong bytes, that the failing request is
+reported failed in time (or completes correctly), that every reserved and held
+block comes back, and that other requests are not affected.
+
+Scenarios 4, 5, 6, 7, 9 and 12 of the reliability issue are not here yet
+(9 is ``tests/test_nixl_runtime.py::test_a_prefill_restarted_on_the_same_port_gets_fresh_agents``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("nixl._api", reason="NIXL is not installed (make test installs it)")
+
+from nixl_procs import Proc, sides, spec, transfer
+
+from kvpush.protocol import Role
+
+REUSED = 9  # the salt of "another request's" bytes in reused blocks
+
+
+def settle(p: Proc, d: Proc) -> None:
+    """Nothing reserved on the decode, nothing held on the prefill (bounded wait)."""
+    deadline = time.monotonic() + 10
+    while (d("counts")[1], p("counts")[2]) != (0, 0):
+        assert time.monotonic() < deadline, (d("counts"), p("counts"))
+        time.sleep(0.05)
+
+
+def still_reused(d: Proc, blocks: list[int]) -> None:
+    assert d("bad_blocks", blocks, REUSED, 0) == ("bad", []), "a late write landed in reused blocks"
+
+
+@pytest.mark.parametrize("when", ["computing", "in flight"])
+def test_01_decode_aborts_after_registering(when: str) -> None:
+    """vLLM C1; SGLang #35049 / #27372: the decode aborts after its registration
+    went out (while the prefill computes, or while the write is in flight); the
+    aborted write must never land in blocks that were handed back and reused."""
+    with sides(spec(Role.PRODUCER, 1, 16), spec(Role.CONSUMER, 1, 16, ready_timeout=3.0)) as (p, d):
+        transfer(p, d, "warm", [1, 2], [1, 2], "push")
+        src, dst = list(range(10, 26)), list(range(30, 46))
+        assert p("fill", src, 3) == ("ok",)
+        assert d("reserve", "victim", dst, "push", 0)[0] == "reserved"
+        if when == "in flight":
+            assert d("pause", True) == ("ok",)  # the decode does not see the write finish
+            assert p("kv_ready", "victim", src) == ("ok",)
+        assert d("abort", "victim") == ("aborted", True)
+        released, _ = d.wait(("Released",), "victim", 10)
+        assert released["ready_after_reserve"] is None
+        assert d("fill", dst, REUSED) == ("ok",)  # the blocks go to another request
+        assert d("pause", False) == ("ok",)
+        if when == "computing":
+            assert p("kv_ready", "victim", src) == ("ok",)  # the KV is ready too late
+        time.sleep(0.5)
+        still_reused(d, dst)
+        settle(p, d)
+        transfer(p, d, "next", [50, 51], [50, 51], "push")  # others unaffected
+
+
+def test_02_a_write_that_fails_to_post_is_reported_at_once() -> None:
+    """vLLM C2, #50754: a WRITE that fails to post was never reported to the
+    decode, which waited for its lease. Here the producer's data plane turns the
+    failure into ``WriteFailed`` and the decode fails the request at once."""
+    ready_timeout = 20.0
+    cons = spec(Role.CONSUMER, 1, 16, ready_timeout=ready_timeout)
+    with sides(spec(Role.PRODUCER, 1, 16), cons) as (p, d):
+        transfer(p, d, "warm", [1, 2], [1, 2], "push")
+        assert p("drop_agents") == ("ok",)  # the next post has no NIXL agent to go to
+        assert d("reserve", "victim", [5, 6], "push", 0)[0] == "reserved"
+        assert p("fill", [7, 8], 3) == ("ok",)
+        assert p("kv_ready", "victim", [7, 8]) == ("ok",)
+        failed, _ = d.wait(("Failed", "Ready"), "victim", 10)
+        assert failed["type"] == "Failed" and failed["reason"] == "transfer_failed", failed
+        assert "not posted" in failed["detail"]
+        released, _ = d.wait(("Released",), "victim", 10)
+        assert released["failed_after_reserve"] < 3.0  # not the 20 s deadline
+        settle(p, d)
+
+
+def test_03_partial_prefix_hit_with_fragmented_blocks() -> None:
+    """vLLM C3: a partial prefix hit on the decode front-trimmed wrongly and
+    silently corrupted KV. Exactly the blocks past the hit are written; the
+    decode's own prefix blocks are untouched."""
+    with sides(spec(Role.PRODUCER, 1, 16), spec(Role.CONSUMER, 1, 16)) as (p, d):
+        prefix, rest = [60, 45], [33, 7, 52, 20]  # fragmented on purpose
+        assert d("fill", prefix, 5) == ("ok",)  # the decode's own cached prefix
+        src = [11, 3, 40, 41, 42, 9]  # the prefill's whole prompt, fragmented
+        transfer(p, d, "hit", src, rest, "push", 32)
+        assert d("bad_blocks", prefix, 5, 0) == ("bad", [])
+        settle(p, d)
+
+
+def test_08_registration_after_the_prefills_lease_expired_is_rejected() -> None:
+    """Tombstones: the prefill finished and held its KV until its lease ran out;
+    a registration arriving after that gets a fast, explicit rejection, and
+    nothing is written."""
+    prod = spec(Role.PRODUCER, 1, 16, kv_hold_timeout=1.0)
+    with sides(prod, spec(Role.CONSUMER, 1, 16)) as (p, d):
+        transfer(p, d, "warm", [1, 2], [1, 2], "push")
+        assert p("fill", [3, 4], 3) == ("ok",)
+        assert p("kv_ready", "late", [3, 4]) == ("ok",)
+        released, _ = p.wait(("SourceReleased",), "late", 10)
+        assert released["outcome"] != "delivered"
+        assert d("fill", [8, 9], REUSED) == ("ok",)
+        assert d("reserve", "late", [8, 9], "push", 0)[0] == "reserved"
+        failed, _ = d.wait(("Failed", "Ready"), "late", 5)
+        assert failed["type"] == "Failed", failed
+        d.wait(("Released",), "late", 5)
+        still_reused(d, [8, 9])
+        settle(p, d)
+
+
+def test_10_an_incompatible_peer_fails_on_both_sides_and_nothing_hangs() -> None:
+    """llm-d #2433: a TP or layout mismatch surfaced on one side only, and the
+    client hung. Both sides see the refusal; the request fails in time."""
+    prod = spec(Role.PRODUCER, 1, 16, heads=8)  # the decode has 4
+    with sides(prod, spec(Role.CONSUMER, 1, 16)) as (p, d):
+        assert d("reserve", "mismatch", [1, 2], "push", 0)[0] in ("reserved", "refused")
+        failed, took = d.wait(("Failed",), "mismatch", 10)
+        assert failed["reason"] == "handshake_failed", failed
+        assert took < 5
+        d.wait(("PeerFailed",), "", 5)
+        p.wait(("PeerFailed",), "", 5)
+        assert d("counts")[1] == 0
+
+
+def test_11_a_burst_over_the_reservation_budget_is_refused_not_deadlocked() -> None:
+    """SGLang #6857: a burst exhausted the decode's reservation budget and the
+    system deadlocked. Over-budget reservations are refused at once (the caller
+    defers or falls back); the admitted ones complete and free the budget."""
+    with sides(spec(Role.PRODUCER, 1, 16), spec(Role.CONSUMER, 1, 16, max_reserved_blocks=8)) as (
+        p,
+        d,
+    ):
+        answers = [
+            d("reserve", f"burst-{i}", [4 * i + j for j in range(4)], "push", 0) for i in range(4)
+        ]
+        assert [a[0] for a in answers] == ["reserved", "reserved", "refused", "refused"]
+        assert answers[2] == ("refused", "budget")
+        for i in range(2):
+            src = [40 + 4 * i + j for j in range(4)]
+            assert p("fill", src, len(f"burst-{i}")) == ("ok",)
+            assert p("kv_ready", f"burst-{i}", src) == ("ok",)
+            ready, _ = d.wait(("Ready", "Failed"), f"burst-{i}", 10)
+            assert ready["type"] == "Ready", ready
+        transfer(p, d, "after-burst", [60, 61], [20, 21], "push")  # budget is back
+        settle(p, d)
