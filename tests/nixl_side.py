@@ -239,21 +239,21 @@ class Side:
 
     async def _command(self, runtime: Any, channel: ControlChannel, msg: tuple[Any, ...]) -> Any:
         kind, *args = msg
-        if kind == "route":
-            host, port = args
-            channel.add_route(self.spec.peer, host, port)
-            runtime.connect(self.spec.peer)
+        if kind == "route":  # ("route", host, port[, peer name])
+            host, port, *name = args
+            peer = name[0] if name else self.spec.peer
+            channel.add_route(peer, host, port)
+            runtime.connect(peer)
             return ("ok",)
         if kind == "fill":
             self.fill(*args)
             return ("ok",)
         if kind == "bad_blocks":
             return ("bad", self.bad_blocks(*args))
-        if kind == "reserve":
-            tid, blocks, mode, skip = args
-            result = runtime.reserve(
-                tid, self.spec.peer, [blocks], mode=Mode(mode), skip_tokens=skip
-            )
+        if kind == "reserve":  # ("reserve", tid, blocks, mode, skip[, peer name])
+            tid, blocks, mode, skip, *name = args
+            peer = name[0] if name else self.spec.peer
+            result = runtime.reserve(tid, peer, [blocks], mode=Mode(mode), skip_tokens=skip)
             if isinstance(result, Refused):
                 return ("refused", result.reason.value)
             return ("reserved", result.epoch)
@@ -263,10 +263,14 @@ class Side:
             return ("ok",)
         if kind == "abort":
             return ("aborted", runtime.abort(args[0]))
-        if kind == "drop_agents":
+        if kind == "preempt":
+            return ("preempted", runtime.preempt(args[0]))
+        if kind == "drop_agents":  # ("drop_agents"[, rank])
             # The next post to the peer fails (its NIXL agent is gone): as a
             # post that fails on a real fabric.
-            for t in self.transports:
+            ranks = [args[0]] if args else range(len(self.transports))
+            for r in ranks:
+                t = self.transports[r]
                 for agent in t.inner.peers:
                     t.inner.remove_peer(agent)
             return ("ok",)

@@ -5,12 +5,13 @@ request was told is ready holds wrong bytes, that the failing request is
 reported failed in time (or completes correctly), that every reserved and held
 block comes back, and that other requests are not affected.
 
-Scenarios 4, 5, 6, 7, 9 and 12 of the reliability issue are not here yet
+Scenarios 4 and 12 of the reliability issue are not here yet
 (9 is ``tests/test_nixl_runtime.py::test_a_prefill_restarted_on_the_same_port_gets_fresh_agents``).
 """
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -149,4 +150,82 @@ def test_11_a_burst_over_the_reservation_budget_is_refused_not_deadlocked() -> N
             ready, _ = d.wait(("Ready", "Failed"), f"burst-{i}", 10)
             assert ready["type"] == "Ready", ready
         transfer(p, d, "after-burst", [60, 61], [20, 21], "push")  # budget is back
+        settle(p, d)
+
+
+def test_05_an_unreachable_peer_does_not_delay_transfers_to_others() -> None:
+    """vLLM S2: handshakes blocked the head of the line. A peer that accepts the
+    connection and never answers stalls only its own requests."""
+    with socket.socket() as blackhole:  # listens, never accepts, never answers
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(8)
+        host, port = blackhole.getsockname()
+        with sides(spec(Role.PRODUCER, 1, 16), spec(Role.CONSUMER, 1, 16, ready_timeout=3.0)) as (
+            p,
+            d,
+        ):
+            transfer(p, d, "warm", [1, 2], [1, 2], "push")
+            assert d("route", host, port, "blackhole:1") == ("ok",)
+            assert d("reserve", "stuck", [10, 11], "push", 0, "blackhole:1")[0] == "reserved"
+            started = time.monotonic()
+            for i in range(3):
+                transfer(p, d, f"others-{i}", [20 + i], [30 + i], "push")
+            assert time.monotonic() - started < 2.5  # long before the stuck one's deadline
+            failed, _ = d.wait(("Failed", "Ready"), "stuck", 10)
+            assert failed["type"] == "Failed", failed
+            d.wait(("Released",), "stuck", 10)
+            settle(p, d)
+
+
+def test_06_one_failed_write_of_several_releases_only_after_all_settle() -> None:
+    """vLLM #56104: with several write handles per request, the first error
+    freed the blocks while sibling writes still landed. Here TP 2 -> 1 posts two
+    writes per request; one fails to post. The decode fails the request, takes
+    its blocks back only once both writes settled, and nothing lands after."""
+    with sides(spec(Role.PRODUCER, 2, 16), spec(Role.CONSUMER, 1, 16)) as (p, d):
+        transfer(p, d, "warm", [1, 2], [1, 2], "push")
+        assert p("drop_agents", 1) == ("ok",)  # producer rank 1's write cannot post
+        src, dst = list(range(10, 18)), list(range(20, 28))
+        assert p("fill", src, 3) == ("ok",)
+        assert d("reserve", "split", dst, "push", 0)[0] == "reserved"
+        assert p("kv_ready", "split", src) == ("ok",)
+        failed, _ = d.wait(("Failed", "Ready"), "split", 10)
+        assert failed["type"] == "Failed" and failed["reason"] == "transfer_failed", failed
+        d.wait(("Released",), "split", 10)
+        out, _ = p.wait(("SourceReleased",), "split", 10)
+        assert out["outcome"] != "delivered"
+        assert d("fill", dst, REUSED) == ("ok",)
+        time.sleep(0.5)
+        still_reused(d, dst)
+        settle(p, d)
+
+
+@pytest.mark.parametrize("when", ["before the KV is ready", "with the old write in flight"])
+def test_07_a_preempted_and_re_reserved_request_gets_only_new_epoch_bytes(when: str) -> None:
+    """Epochs: the decode preempts a request and reserves it again (a new
+    epoch, new blocks) while the old epoch's registration or write is out.
+    Ready names the new epoch and its blocks only, and the old blocks, reused
+    meanwhile, are never written."""
+    with sides(spec(Role.PRODUCER, 1, 16), spec(Role.CONSUMER, 1, 16, ready_timeout=3.0)) as (p, d):
+        transfer(p, d, "warm", [1, 2], [1, 2], "push")
+        tid, src, old, new = "again", [40, 41], [10, 11], [20, 21]
+        assert p("fill", src, len(tid)) == ("ok",)
+        assert d("reserve", tid, old, "push", 0) == ("reserved", 2)
+        if when == "with the old write in flight":
+            assert d("pause", True) == ("ok",)  # the target does not progress the write
+            assert p("kv_ready", tid, src) == ("ok",)
+            time.sleep(0.2)
+        assert d("preempt", tid) == ("preempted", True)
+        d.wait(("Released",), tid, 10)
+        assert d("fill", old, REUSED) == ("ok",)
+        assert d("reserve", tid, new, "push", 0) == ("reserved", 3)
+        assert d("pause", False) == ("ok",)
+        if when == "before the KV is ready":
+            assert p("kv_ready", tid, src) == ("ok",)
+        # The prefill still holds the KV (the old epoch was withdrawn, not
+        # delivered) and writes it to the new epoch's blocks.
+        ready, _ = d.wait(("Ready", "Failed"), tid, 10)
+        assert ready == {**ready, "type": "Ready", "epoch": 3}, ready
+        assert d("bad_blocks", new, len(tid), 0) == ("bad", [])
+        still_reused(d, old)
         settle(p, d)
