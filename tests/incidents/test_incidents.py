@@ -5,7 +5,7 @@ request was told is ready holds wrong bytes, that the failing request is
 reported failed in time (or completes correctly), that every reserved and held
 block comes back, and that other requests are not affected.
 
-Scenarios 4 and 12 of the reliability issue are not here yet
+Scenario 4 of the reliability issue (a SIGSTOPped producer) is not here yet
 (9 is ``tests/test_nixl_runtime.py::test_a_prefill_restarted_on_the_same_port_gets_fresh_agents``).
 """
 
@@ -228,4 +228,28 @@ def test_07_a_preempted_and_re_reserved_request_gets_only_new_epoch_bytes(when: 
         assert ready == {**ready, "type": "Ready", "epoch": 3}, ready
         assert d("bad_blocks", new, len(tid), 0) == ("bad", [])
         still_reused(d, old)
+        settle(p, d)
+
+
+def test_12_a_decode_that_stops_polling_for_a_while_loses_nothing() -> None:
+    """A long step on the decode: its data plane does not poll for a while. No
+    corruption, and the prefill's write completes once polling resumes."""
+    with sides(spec(Role.PRODUCER, 1, 16), spec(Role.CONSUMER, 1, 16, ready_timeout=10.0)) as (
+        p,
+        d,
+    ):
+        transfer(p, d, "warm", [1, 2], [1, 2], "push")
+        src, dst = list(range(10, 26)), list(range(30, 46))
+        assert p("fill", src, len("long-step")) == ("ok",)
+        assert d("reserve", "long-step", dst, "push", 0)[0] == "reserved"
+        assert d("pause", True) == ("ok",)
+        assert p("kv_ready", "long-step", src) == ("ok",)
+        time.sleep(1.5)  # the long step
+        assert d("wait", ("Ready", "Failed"), "long-step", 0.1, 1)[0] == "timeout"
+        assert d("pause", False) == ("ok",)
+        ready, _ = d.wait(("Ready", "Failed"), "long-step", 10)
+        assert ready["type"] == "Ready", ready
+        assert d("bad_blocks", dst, len("long-step"), 0) == ("bad", [])
+        out, _ = p.wait(("SourceReleased",), "long-step", 10)
+        assert out["outcome"] == "delivered"
         settle(p, d)
