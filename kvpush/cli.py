@@ -1,7 +1,8 @@
-"""The ``kvpush`` command line (``kvpush demo ...``, ``kvpush router ...``;
-also ``python -m kvpush ...``). ``router`` is the vLLM router of
-``kvpush_vllm``, imported only when asked for: this is the application layer,
-the one place that composes the packages."""
+"""The ``kvpush`` command line (``kvpush demo ...``, ``kvpush router ...``,
+``kvpush simulate ...``; also ``python -m kvpush ...``). ``router`` is the vLLM
+router of ``kvpush_vllm`` and ``simulate`` the fleet simulator of
+``kvpush.sim``, each imported only when asked for: this is the application
+layer, the one place that composes the packages."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
         "to a prefill instance (max_tokens=1) and a decode instance at the same time, with "
         "one kvpush transfer id, and stream the decode's answer back (docs/router.md).",
     )
+    simulate = commands.add_parser(
+        "simulate",
+        help="simulate a P/D fleet (pull, push, bg-pull) on the real protocol core",
+        description="Discrete-event model of prefill and decode instances, links and a "
+        "router, with the real kvpush producer and consumer on a simulated clock; prints "
+        "TTFT and TPOT per mode, QPS and input length (docs/simulation.md).",
+    )
+    _simulate_arguments(simulate)
     try:
         from kvpush_vllm._router import add_router_arguments
     except ImportError as exc:  # h11 missing: say so when the command is used
@@ -46,9 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpush.sim._cli import add_arguments
+
+    add_arguments(parser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.command == "simulate":
+        from kvpush.sim._cli import run as run_simulation
+
+        return run_simulation(args)
     if args.command == "router":
         missing = getattr(args, "router_missing", None)
         if missing:

@@ -1,0 +1,470 @@
+"""The fleet: instances, router, control network and the real protocol core.
+
+Every reservation, registration, rendezvous, write, read and completion goes
+through :class:`kvpush.protocol.Producer` / :class:`~kvpush.protocol.Consumer`
+with the simulated clock as ``now``. The fleet carries out what they ask
+(``Send`` after a control latency, ``StartWrite`` / ``StartRead`` as
+preparation plus a flow on the links) and feeds back what happens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from kvpush.protocol import (
+    Consumer,
+    ConsumerConfig,
+    ControlMessage,
+    Failed,
+    Identity,
+    Mode,
+    Producer,
+    ProducerConfig,
+    Ready,
+    Released,
+    Reserved,
+    Send,
+    SourceReleased,
+    StartRead,
+    StartWrite,
+)
+
+from ._events import EventLoop
+from ._instances import DecodeInstance, PrefillInstance
+from ._link import Links
+from ._params import Scenario
+from ._request import Request
+
+__all__ = ("MODES", "Fleet")
+
+#: Simulator modes: (core mode, where the decode side prepares descriptors).
+MODES: dict[str, Mode] = {"pull": Mode.PULL, "push": Mode.PUSH, "bg-pull": Mode.PULL}
+
+Op = StartWrite | StartRead
+
+
+def runs(src: tuple[int, ...], dst: tuple[int, ...]) -> int:
+    """Runs of blocks contiguous on both sides (one merged descriptor each)."""
+    n = 1 if src else 0
+    for i in range(1, len(src)):
+        if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            n += 1
+    return n
+
+
+class Fleet:
+    """P and D instances wired through the core for one mode."""
+
+    def __init__(self, scenario: Scenario, mode: str, seed: int) -> None:
+        self.s = scenario
+        self.model = scenario.model
+        self.mode = mode
+        self.core_mode = MODES[mode]
+        router = scenario.fleet.router
+        self.sequential = router == "sequential" or (router == "auto" and mode != "push")
+        #: Faults and per-rank completion order (arrivals have their own stream).
+        self.rng = random.Random(f"{seed}/fleet")
+        self.loop = EventLoop()
+        hw, ctl = scenario.hardware, scenario.control
+        self.links = Links(self.loop, hw.transfer_latency_us / 1e6)
+        self.ctl_latency = ctl.control_latency_ms / 1e3
+        self.hop = ctl.hop_ms / 1e3
+        #: Request handling on the common path (P's ingress, D's streaming out).
+        self.frontend = ctl.frontend_ms / 1e3
+        self._prefill_cache: dict[int, float] = {}
+        self.requests: list[Request] = []
+        self.ended = 0
+        self.stats: dict[str, int] = {}
+        #: Integrity, checked by the simulator itself (not by the core).
+        self.landed: dict[tuple[str, int], int] = {}
+        self.owner: list[dict[int, tuple[str, int]]] = []
+        self._reads: dict[tuple[str, int], list[StartRead]] = {}
+        kv_blocks = hw.kv_blocks(self.model)
+        self.prefills = [
+            PrefillInstance(self, i, self.make_producer(i, 1), kv_blocks)
+            for i in range(scenario.fleet.prefill)
+        ]
+        self.decodes = [
+            DecodeInstance(self, i, self._consumer(i), kv_blocks)
+            for i in range(scenario.fleet.decode)
+        ]
+        self.owner = [{} for _ in self.decodes]
+        self._by_name = {p.name: p for p in self.prefills}
+        self._d_by_name = {d.name: d for d in self.decodes}
+        for d in self.decodes:
+            for p in self.prefills:
+                d.consumer.connect(0.0, p.name)
+            self.touch_d(d)
+
+    # --- construction ----------------------------------------------------------------
+
+    def _identity(self, name: str, instance: int) -> Identity:
+        return Identity(name, instance, tp=self.s.hardware.tp, num_kv_heads=self.model.kv_heads)
+
+    def make_producer(self, index: int, instance: int) -> Producer:
+        return Producer(ProducerConfig(self._identity(f"p{index}", instance)))
+
+    def _consumer(self, index: int) -> Consumer:
+        return Consumer(ConsumerConfig(self._identity(f"d{index}", 1)))
+
+    # --- cost model ------------------------------------------------------------------
+
+    def prefill_s(self, tokens: int) -> float:
+        t = self._prefill_cache.get(tokens)
+        if t is None:
+            t = self._prefill_cache[tokens] = self.s.hardware.prefill_s(self.model, tokens)
+        return t
+
+    def step_s(self, batch: int, context: int) -> float:
+        return self.s.hardware.step_s(self.model, batch, context)
+
+    def descriptors(self, src: tuple[int, ...], dst: tuple[int, ...], merged: bool) -> int:
+        """Descriptors one rank posts: one per block (or run) per region."""
+        regions = self.model.layers * self.s.control.desc_regions
+        return (runs(src, dst) if merged else len(src)) * regions
+
+    def prep_s(self, ndesc: int) -> float:
+        ctl = self.s.control
+        return ctl.prep_fixed_ms / 1e3 + ndesc * ctl.prep_per_desc_us / 1e6
+
+    def flow_work(self, blocks: int, ndesc: int) -> float:
+        hw = self.s.hardware
+        nbytes = blocks * self.model.block_tokens * self.model.kv_bytes_per_token
+        return nbytes / hw.nic_bytes_per_s() + ndesc * hw.wire_op_us / 1e6
+
+    def tokenize_s(self, tokens: int) -> float:
+        return tokens * self.s.control.tokenize_us_per_token / 1e6
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+    # --- the router --------------------------------------------------------------------
+
+    def arrive(self, r: Request) -> None:
+        alive = [p for p in self.prefills if p.alive]
+        if not alive:
+            self.fail(r, "no_prefill")
+            return
+        p = min(alive, key=lambda p: (p.queued_tokens, p.index))
+        r.prefill = p.index
+        leg = self.hop + self.frontend + self.tokenize_s(r.input_tokens)
+        self.loop.after(leg, lambda: p.submit(r) if p.alive else self.fail(r, "prefill_died"))
+        if not self.sequential:
+            self._dispatch_decode(r, leg)
+
+    def _dispatch_decode(self, r: Request, delay: float) -> None:
+        d = min(self.decodes, key=lambda d: (d.load, d.index))
+        r.decode = d.index
+        d.requests[r.tid] = r
+        self.loop.after(delay, lambda: self.admit(d, r))
+
+    def prefill_done(self, p: PrefillInstance, r: Request, blocks: tuple[int, ...]) -> None:
+        r.kv_ready = self.loop.now
+        if r.ended:
+            p.pool.give(blocks)
+            return
+        p.producer.kv_ready(self.loop.now, r.tid, (blocks,))
+        self.touch_p(p)
+        if self.sequential:  # the proxy hears P answer, then calls D
+            self._dispatch_decode(r, 2 * self.hop + self.tokenize_s(r.input_tokens))
+
+    # --- the decode side ---------------------------------------------------------------
+
+    def admit(self, d: DecodeInstance, r: Request) -> None:
+        if r.ended:
+            return
+        if d.waiting or not self._reserve(d, r):
+            d.waiting.append(r)
+
+    def _reserve(self, d: DecodeInstance, r: Request) -> bool:
+        need = self.model.blocks(r.input_tokens)
+        grow = self.model.blocks(r.input_tokens + r.output_tokens) - need
+        if len(d.pool.free) < need + (0 if r.growth else grow):
+            return False
+        blocks = d.pool.take(need)
+        assert blocks is not None
+        if not r.growth:
+            r.growth = d.pool.take(grow) or ()
+        peer = f"p{r.prefill}"
+        res = d.consumer.reserve(self.loop.now, r.tid, peer, (blocks,), mode=self.core_mode)
+        if not isinstance(res, Reserved):
+            d.pool.give(blocks)
+            self.fail(r, f"refused_{res.reason.value}")
+            return True
+        r.epoch = res.epoch
+        if r.reserved < 0:
+            r.reserved = self.loop.now
+        owner = self.owner[d.index]
+        key = (r.tid, res.epoch)
+        for b in blocks:
+            owner[b] = key
+        self.touch_d(d)
+        return True
+
+    def _admit_waiting(self, d: DecodeInstance) -> None:
+        while d.waiting:
+            r = d.waiting[0]
+            if not r.ended and not self._reserve(d, r):
+                return
+            d.waiting.popleft()
+
+    def preempt(self, d: DecodeInstance, r: Request, requeue_s: float) -> None:
+        """Decode preemption of a request waiting for its KV: withdraw the
+        reservation (a new epoch follows after ``requeue_s``)."""
+        if d.consumer.preempt(self.loop.now, r.tid):
+            r.preemptions += 1
+            r.epoch = 0
+            self.count("preemptions")
+            self.touch_d(d)
+            self.loop.after(requeue_s, lambda: self.admit(d, r))
+
+    def decode_finished(self, d: DecodeInstance, r: Request) -> None:
+        r.finished = self.loop.now
+        owner = self.owner[d.index]
+        for b in r.blocks:
+            owner.pop(b, None)
+        d.pool.give(r.growth)
+        d.pool.give(r.blocks)
+        r.growth = r.blocks = ()
+        self._end(r)
+        self._admit_waiting(d)
+
+    def fail(self, r: Request, reason: str) -> None:
+        if r.ended:
+            return
+        r.failed = reason
+        self.count(f"failed_{reason}")
+        if r.decode >= 0:
+            d = self.decodes[r.decode]
+            d.pool.give(r.growth)
+            r.growth = ()
+        self._end(r)
+
+    def _end(self, r: Request) -> None:
+        r.ended = True
+        self.ended += 1
+        if r.decode >= 0:
+            self.decodes[r.decode].requests.pop(r.tid, None)
+
+    # --- pumping the core ---------------------------------------------------------------
+
+    def touch_d(self, d: DecodeInstance) -> None:
+        outs = d.consumer.drain()
+        while outs:
+            for out in outs:
+                self._route_d(d, out)
+            outs = d.consumer.drain()
+        self._arm(d, d.consumer)
+
+    def touch_p(self, p: PrefillInstance) -> None:
+        if not p.alive:
+            return
+        outs = p.producer.drain()
+        while outs:
+            writes: dict[tuple[str, int], list[StartWrite]] = {}
+            for out in outs:
+                if isinstance(out, StartWrite):
+                    writes.setdefault((out.transfer_id, out.epoch), []).append(out)
+                else:
+                    self._route_p(p, out)
+            for ops in writes.values():
+                self._start_writes(p, ops)
+            outs = p.producer.drain()
+        self._arm(p, p.producer)
+
+    def _arm(self, inst: PrefillInstance | DecodeInstance, ep: Producer | Consumer) -> None:
+        when = ep.next_deadline()
+        if when is None or (inst.timer_at is not None and inst.timer_at <= when):
+            return
+        inst.timer_at = when
+        self.loop.at(when, lambda: self._timer(inst, ep, when))
+
+    def _timer(
+        self, inst: PrefillInstance | DecodeInstance, ep: Producer | Consumer, when: float
+    ) -> None:
+        if inst.timer_at != when:
+            return
+        inst.timer_at = None
+        if isinstance(inst, PrefillInstance):
+            if not inst.alive or inst.producer is not ep:
+                return
+            ep.handle_timer(self.loop.now)
+            self.touch_p(inst)
+        else:
+            ep.handle_timer(self.loop.now)
+            self.touch_d(inst)
+
+    def send(self, src: str, msg: Send) -> None:
+        def deliver() -> None:
+            self.deliver(src, msg.peer, msg.message)
+
+        self.loop.after(self.ctl_latency, deliver)
+
+    def deliver(self, src: str, dst: str, message: ControlMessage) -> None:
+        now = self.loop.now
+        p = self._by_name.get(dst)
+        if p is not None:
+            if p.alive:
+                p.producer.receive(now, src, message)
+                self.touch_p(p)
+            return
+        d = self._d_by_name[dst]
+        if self._by_name[src].alive:
+            d.consumer.receive(now, src, message)
+            self.touch_d(d)
+
+    def _route_p(self, p: PrefillInstance, out: object) -> None:
+        if isinstance(out, Send):
+            self.send(p.name, out)
+        elif isinstance(out, SourceReleased):
+            p.pool.give(out.blocks[0])
+            p.kick()
+
+    def _route_d(self, d: DecodeInstance, out: object) -> None:
+        if isinstance(out, Send):
+            self.send(d.name, out)
+        elif isinstance(out, StartRead):
+            self._start_read(d, out)
+        elif isinstance(out, Ready):
+            self._ready(d, out)
+        elif isinstance(out, Failed):
+            r = d.requests.get(out.transfer_id)
+            if r is not None and r.epoch == out.epoch:
+                self.fail(r, out.reason.value)
+        elif isinstance(out, Released):
+            owner = self.owner[d.index]
+            for b in out.blocks[0]:
+                owner.pop(b, None)
+            d.pool.give(out.blocks[0])
+            self._admit_waiting(d)
+
+    def _ready(self, d: DecodeInstance, out: Ready) -> None:
+        key = (out.transfer_id, out.epoch)
+        routes = self.landed.pop(key, 0)
+        if routes < self._expected_routes():
+            self.count("stale_pairings")  # ready, but this epoch's KV never landed
+        r = d.requests.get(out.transfer_id)
+        if r is None or r.epoch != out.epoch or r.ended:
+            self.count("ready_orphan")
+            owner = self.owner[d.index]
+            for b in out.blocks[0]:
+                owner.pop(b, None)
+            d.pool.give(out.blocks[0])
+            return
+        r.ready = self.loop.now
+        r.blocks = out.blocks[0]
+        d.join(r)
+
+    def _expected_routes(self) -> int:
+        return self.s.hardware.tp  # tp -> tp: one route per consumer rank
+
+    def land(self, d: DecodeInstance, op: Op, nroutes: int) -> None:
+        """The bytes of ``op`` (all its routes) are in ``d``'s memory now."""
+        key = (op.transfer_id, op.epoch)
+        owner = self.owner[d.index]
+        if any(owner.get(b) != key for b in op.dst_blocks[0]):
+            self.count("corrupt_writes")  # landed in blocks someone else owns
+        self.landed[key] = self.landed.get(key, 0) + nroutes
+
+    # --- the data plane: writes (push) and reads (pull) -----------------------------------
+
+    def _start_writes(self, p: PrefillInstance, ops: list[StartWrite]) -> None:
+        op = ops[0]
+        d = self._d_by_name[op.peer]
+        r = d.requests.get(op.transfer_id)
+        if r is not None and r.prep_start < 0:
+            r.prep_start = self.loop.now
+        src, dst = op.src_blocks[0], op.dst_blocks[0]
+        ndesc = self.descriptors(src, dst, self.s.control.merge_push)
+        producer = p.producer
+        p.thread.run(self, self.prep_s(ndesc), lambda: self._post(p, producer, d, ops, ndesc))
+
+    def _post(
+        self,
+        p: PrefillInstance,
+        producer: Producer,
+        d: DecodeInstance,
+        ops: list[StartWrite],
+        ndesc: int,
+    ) -> None:
+        if not p.alive or p.producer is not producer:
+            return  # the instance died (and maybe restarted) meanwhile
+        now = self.loop.now
+        op = ops[0]
+        if now > op.not_after:
+            self._writes_settled(p, ops, False, "posted after not_after")
+            return
+        r = d.requests.get(op.transfer_id)
+        if r is not None and r.epoch == op.epoch:
+            r.transfer_start = now
+
+        def done(ok: bool) -> None:
+            if ok:
+                self.land(d, op, len(ops))
+            if p.alive and p.producer is producer:
+                self._writes_settled(p, ops, ok, "link failed")
+
+        self.links.start(self.flow_work(len(op.src_blocks[0]), ndesc), p.nic, d.nic, done)
+
+    def _writes_settled(
+        self, p: PrefillInstance, ops: list[StartWrite], ok: bool, why: str
+    ) -> None:
+        now = self.loop.now
+        d = self._d_by_name[ops[0].peer]
+        order = list(ops)
+        self.rng.shuffle(order)  # per-rank completions arrive in any order
+        for op in order:
+            rt = op.route
+            if ok:
+                p.producer.write_done(now, op.transfer_id, op.epoch, rt.source, rt.consumer_rank)
+                d.consumer.completion_received(now, op.notice)
+            else:
+                p.producer.write_failed(
+                    now, op.transfer_id, op.epoch, rt.source, rt.consumer_rank, why
+                )
+        self.touch_p(p)
+        self.touch_d(d)
+
+    def _start_read(self, d: DecodeInstance, op: StartRead) -> None:
+        key = (op.transfer_id, op.epoch)
+        pending = self._reads.setdefault(key, [])
+        pending.append(op)
+        if len(pending) < self._expected_routes():
+            return
+        del self._reads[key]
+        r = d.requests.get(op.transfer_id)
+        if r is not None and r.prep_start < 0:
+            r.prep_start = self.loop.now
+        merged = self.mode == "bg-pull" and self.s.control.merge_bg_pull
+        ndesc = self.descriptors(op.src_blocks[0], op.dst_blocks[0], merged)
+        then: Callable[[], None] = lambda: self._post_read(d, pending, ndesc)  # noqa: E731
+        if self.mode == "pull":
+            d.on_loop(self.prep_s(ndesc), then)
+        else:
+            d.thread.run(self, self.prep_s(ndesc), then)
+
+    def _post_read(self, d: DecodeInstance, ops: list[StartRead], ndesc: int) -> None:
+        op = ops[0]
+        p = self._by_name[op.peer]
+        now = self.loop.now
+        if now > op.not_after or not p.alive:
+            self._reads_settled(d, ops, False)
+            return
+        r = d.requests.get(op.transfer_id)
+        if r is not None and r.epoch == op.epoch:
+            r.transfer_start = now
+
+        def done(ok: bool) -> None:
+            if ok:
+                self.land(d, op, len(ops))
+            self._reads_settled(d, ops, ok)
+
+        self.links.start(self.flow_work(len(op.src_blocks[0]), ndesc), p.nic, d.nic, done)
+
+    def _reads_settled(self, d: DecodeInstance, ops: list[StartRead], ok: bool) -> None:
+        now = self.loop.now
+        for op in ops:
+            rt = op.route
+            d.consumer.read_done(now, op.transfer_id, op.epoch, rt.source, rt.consumer_rank, ok)
+        self.touch_d(d)

@@ -1,0 +1,275 @@
+"""Scenario parameters: a named set of numbers loaded from a JSON data file.
+
+Every number lives in ``scenarios/<name>.json`` next to this module, with its
+source. This module only types them, validates them and derives the costs the
+simulator uses from them (prefill time, decode step time, descriptor counts,
+bytes per token), so that the mechanisms, not per-point fitting, shape the
+results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = (
+    "Control",
+    "Faults",
+    "Fleet",
+    "Hardware",
+    "Model",
+    "Scenario",
+    "ScenarioError",
+    "available_scenarios",
+    "load_scenario",
+)
+
+
+class ScenarioError(ValueError):
+    """A scenario file or an override is missing, malformed or out of range."""
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """The served model's shape (what KV bytes and FLOPs follow from)."""
+
+    name: str
+    params_b: float
+    layers: int
+    kv_heads: int
+    q_heads: int
+    head_dim: int
+    dtype_bytes: int
+    block_tokens: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, every layer, every KV head: 2 * L * H_kv * d * bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params_b * 1e9 * self.dtype_bytes
+
+    def prefill_flops(self, tokens: int, cached: float = 0.0) -> float:
+        """Dense matmuls (2 * params per new token) plus causal attention of
+        the new tokens (QK^T and PV: 2 * L * q_heads * head_dim per query-key
+        pair); the first ``cached`` fraction of the prompt is a prefix-cache hit."""
+        hit = int(tokens * cached)
+        dense = 2.0 * self.params_b * 1e9 * (tokens - hit)
+        pairs = (tokens * tokens - hit * hit) / 2
+        attn = 4.0 * self.layers * pairs * self.q_heads * self.head_dim
+        return dense + attn
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """One instance's accelerators and its network interface."""
+
+    tp: int
+    peak_tflops: float
+    prefill_mfu: float
+    prefill_fixed_ms: float
+    prefill_cached_fraction: float
+    hbm_tb_s: float
+    hbm_efficiency: float
+    hbm_gb: float
+    kv_memory_fraction: float
+    decode_fixed_ms: float
+    decode_per_seq_ms: float
+    nic_gbit_s: float
+    nic_efficiency: float
+    transfer_latency_us: float
+    wire_op_us: float
+
+    def prefill_s(self, model: Model, tokens: int) -> float:
+        rate = self.tp * self.peak_tflops * 1e12 * self.prefill_mfu
+        flops = model.prefill_flops(tokens, self.prefill_cached_fraction)
+        return self.prefill_fixed_ms / 1e3 + flops / rate
+
+    def step_s(self, model: Model, batch: int, context_tokens: int) -> float:
+        """One decode step: fixed cost (weights read, collectives, launch),
+        a per-sequence cost, and reading every running sequence's KV."""
+        hbm = self.hbm_tb_s * 1e12 * self.hbm_efficiency
+        weights = model.weight_bytes / self.tp / hbm
+        kv = context_tokens * model.kv_bytes_per_token / self.tp / hbm
+        return weights + kv + (self.decode_fixed_ms + self.decode_per_seq_ms * batch) / 1e3
+
+    def kv_blocks(self, model: Model) -> int:
+        """Blocks of KV one instance can hold (all ranks together)."""
+        free = self.hbm_gb * 1e9 * self.tp * self.kv_memory_fraction - model.weight_bytes
+        if free <= 0:
+            raise ScenarioError("the model does not fit: no memory left for KV")
+        return int(free // (model.kv_bytes_per_token * model.block_tokens))
+
+    def nic_bytes_per_s(self) -> float:
+        """Effective bytes per second of one instance's NICs (all ranks)."""
+        return self.nic_gbit_s * 1e9 / 8 * self.nic_efficiency
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    """Control-path costs: descriptor preparation, hops, tokenisation."""
+
+    prep_fixed_ms: float
+    prep_per_desc_us: float
+    desc_regions: int
+    merge_push: bool
+    merge_bg_pull: bool
+    hop_ms: float
+    frontend_ms: float
+    control_latency_ms: float
+    tokenize_us_per_token: float
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """Sizes and routing."""
+
+    prefill: int
+    decode: int
+    output_tokens: int
+    router: str  # "auto", "sequential" or "concurrent"
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Fault injection; all off by default (rates 0, times < 0)."""
+
+    preempt_per_s: float = 0.0
+    requeue_ms: float = 5.0
+    kill_prefill_at_s: float = -1.0
+    restart_after_s: float = 5.0
+    detect_s: float = 0.5
+    slow_link_at_s: float = -1.0
+    slow_link_for_s: float = 5.0
+    slow_link_factor: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    model: Model
+    hardware: Hardware
+    control: Control
+    fleet: Fleet
+    faults: Faults
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def with_fleet(self, **changes: Any) -> Scenario:
+        return replace(self, fleet=replace(self.fleet, **changes))
+
+    def with_faults(self, **changes: Any) -> Scenario:
+        return replace(self, faults=replace(self.faults, **changes))
+
+    def with_control(self, **changes: Any) -> Scenario:
+        return replace(self, control=replace(self.control, **changes))
+
+
+def _build(cls: type[Any], name: str, raw: object) -> Any:
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"section {name!r} must be an object")
+    values: dict[str, Any] = {}
+    known = {f.name: f for f in fields(cls)}
+    for key, entry in raw.items():
+        if key.startswith("_"):
+            continue  # comments and sources
+        if key not in known:
+            raise ScenarioError(f"unknown key {name}.{key}")
+        value = entry["value"] if isinstance(entry, dict) else entry
+        expected = known[key].type
+        if expected in ("int", int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif expected in ("float", float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value)
+        elif expected in ("bool", bool):
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ScenarioError(f"{name}.{key} must be {expected}, got {value!r}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ScenarioError(f"{name}.{key} must not be negative, got {value!r}")
+        values[key] = float(value) if expected in ("float", float) else value
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ScenarioError(f"section {name!r}: {exc}") from None
+
+
+def _sources(raw: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    out: list[tuple[str, str]] = []
+    for section, body in raw.items():
+        if isinstance(body, dict):
+            for key, entry in body.items():
+                if isinstance(entry, dict) and "source" in entry:
+                    out.append((f"{section}.{key}", str(entry["source"])))
+    return tuple(out)
+
+
+def _scenario_dir() -> Path:
+    return Path(str(resources.files("kvpush.sim") / "scenarios"))
+
+
+def available_scenarios() -> list[str]:
+    """Names of the scenario files shipped with the package."""
+    return sorted(p.stem for p in _scenario_dir().glob("*.json"))
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """Load a shipped scenario by name, or a JSON file by path."""
+    path = Path(name_or_path)
+    if path.suffix != ".json":
+        path = _scenario_dir() / f"{name_or_path}.json"
+        if not path.is_file():
+            names = ", ".join(available_scenarios())
+            raise ScenarioError(f"unknown scenario {name_or_path!r} (known: {names})")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ScenarioError(f"cannot read scenario {str(path)!r}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"scenario {str(path)!r} must be a JSON object")
+    scenario = Scenario(
+        name=str(raw.get("name", path.stem)),
+        model=_build(Model, "model", raw.get("model")),
+        hardware=_build(Hardware, "hardware", raw.get("hardware")),
+        control=_build(Control, "control", raw.get("control")),
+        fleet=_build(Fleet, "fleet", raw.get("fleet")),
+        faults=_build(Faults, "faults", raw.get("faults", {})),
+        sources=_sources(raw),
+    )
+    check_scenario(scenario)
+    return scenario
+
+
+def check_scenario(s: Scenario) -> None:
+    """Raise :class:`ScenarioError` if ``s`` cannot be simulated."""
+    if s.fleet.router not in ("auto", "sequential", "concurrent"):
+        raise ScenarioError(
+            f"fleet.router must be auto, sequential or concurrent, not {s.fleet.router!r}"
+        )
+    for what, n in (("fleet.prefill", s.fleet.prefill), ("fleet.decode", s.fleet.decode)):
+        if not 1 <= n <= 1024:
+            raise ScenarioError(f"{what} must lie in [1, 1024], got {n}")
+    if s.fleet.output_tokens < 1:
+        raise ScenarioError("fleet.output_tokens must be >= 1")
+    if s.model.block_tokens < 1 or s.hardware.tp < 1 or s.model.kv_heads % s.hardware.tp:
+        raise ScenarioError("block_tokens and tp must be >= 1 and tp must divide kv_heads")
+    if not 0 <= s.hardware.prefill_cached_fraction < 1:
+        raise ScenarioError("hardware.prefill_cached_fraction must lie in [0, 1)")
+    if (
+        s.hardware.prefill_mfu <= 0
+        or s.hardware.nic_efficiency <= 0
+        or s.hardware.hbm_efficiency <= 0
+    ):
+        raise ScenarioError("efficiencies must be > 0")
+    s.hardware.kv_blocks(s.model)
