@@ -21,6 +21,7 @@ from kvpush.protocol import (
     HeadOrder,
     Identity,
     KVLayout,
+    KvpushError,
     MemoryType,
     Mode,
     Producer,
@@ -375,3 +376,32 @@ async def test_the_pump_sleeps_until_its_deadline_and_never_spins() -> None:
                 await anyio.sleep(0.001)
         assert results == ["x"]
         tg.cancel_scope.cancel()
+
+
+def test_the_stall_watch_suspects_frames_handled_during_or_just_after_a_stall() -> None:
+    """A frame that sat in the kernel while the process was stopped is read
+    late; its lease would be measured from then (tests/incidents scenario 4)."""
+    from kvpush.runtime._runtime import StallWatch
+
+    clock = [100.0]
+    watch = StallWatch(0.25, lambda: clock[0])
+    for _ in range(10):  # the ticker beats every limit / 5: nothing suspect
+        clock[0] += 0.05
+        watch.check()
+        assert not watch.suspect(clock[0] + 0.01)
+    clock[0] += 4.0  # stopped for 4 s
+    assert watch.suspect(clock[0])  # read before the ticker noticed
+    watch.check()
+    assert watch.stalls == 1
+    assert watch.suspect(clock[0] + 0.2)  # still within the settle window
+    for _ in range(6):
+        clock[0] += 0.05
+        watch.check()
+    assert not watch.suspect(clock[0])  # caught up
+    assert watch.stalls == 1
+
+
+def test_the_stall_limit_must_be_positive() -> None:
+    ident = Identity("p", 1)
+    with pytest.raises(KvpushError, match="stall_limit"):
+        ProducerRuntime(Producer(ProducerConfig(ident)), _SilentChannel(), stall_limit=0.0)

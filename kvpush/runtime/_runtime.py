@@ -23,6 +23,7 @@ import anyio
 import msgpack
 
 from kvpush.protocol import (
+    Announce,
     Consumer,
     ControlMessage,
     Event,
@@ -31,6 +32,7 @@ from kvpush.protocol import (
     Mode,
     PeerReady,
     Producer,
+    Register,
     RemoteProtocolError,
     Send,
     StartRead,
@@ -140,6 +142,47 @@ class _Wakeup:
         self.close()
 
 
+class StallWatch:
+    """Notices when this process or its event loop did not run for a while.
+
+    A lease crosses machines as a duration measured from *receipt* (docs/
+    protocol.md, "Timing"), and the safety argument needs receipt within
+    ``max_transit`` of sending. A frame that reached the kernel while this
+    process was stopped (SIGSTOP, a VM pause, an event loop blocked by a long
+    step) is read late, and a lease measured from then outlives the peer's
+    quarantine: the write would land in blocks the peer already reused. A ticker
+    task beats every ``limit / 5``; a lease-bearing frame (``Register``,
+    ``Announce``) handled while the beat is more than ``limit`` old, or within
+    ``limit`` after such a gap, is dropped (the peer's deadline fails the
+    transfer; dropping a frame is something the protocol survives)."""
+
+    def __init__(self, limit: float, clock: Callable[[], float]) -> None:
+        self.limit = limit
+        self._clock = clock
+        self.beat = clock()
+        self._gap_ended = -math.inf
+        self.stalls = 0
+        self.dropped = 0
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(self.limit / 5)
+            self.check()
+
+    def check(self) -> None:
+        now = self._clock()
+        if now - self.beat > self.limit:
+            self.stalls += 1
+            self._gap_ended = now
+            gap = now - self.beat
+            log.warning("this process did not run for %.3f s (stall limit %g s)", gap, self.limit)
+        self.beat = now
+
+    def suspect(self, now: float) -> bool:
+        """Whether a frame handled at ``now`` may have waited through a stall."""
+        return now - self.beat > self.limit or now - self._gap_ended <= self.limit
+
+
 class EndpointRuntime(Generic[E]):
     """Runs one core endpoint on anyio. Call :meth:`run` in a task group;
     feed inputs through the role's methods (from the event loop's thread)."""
@@ -151,7 +194,11 @@ class EndpointRuntime(Generic[E]):
         dataplane: DataPlaneLike | None = None,
         *,
         on_event: Callable[[Event], None] | None = None,
+        stall_limit: float | None = None,
     ) -> None:
+        limit = endpoint.config.timing.max_transit / 2 if stall_limit is None else stall_limit
+        if not limit > 0:
+            raise KvpushError(f"stall_limit must be > 0 seconds, got {stall_limit!r}")
         self.endpoint: E = endpoint
         self.channel = channel
         self.dataplane = dataplane
@@ -164,6 +211,7 @@ class EndpointRuntime(Generic[E]):
         self._results: queue.SimpleQueue[list[Result]] = queue.SimpleQueue()
         self._wakeup: _Wakeup | None = None  # open while run() runs
         self.frames_dropped = 0
+        self.watch = StallWatch(limit, self.now)
         if dataplane is not None:
             dataplane.bind(self.post_results)
 
@@ -183,6 +231,7 @@ class EndpointRuntime(Generic[E]):
                     tg.start_soon(self._channel_loop)
                     tg.start_soon(self._timer_loop)
                     tg.start_soon(self._results_loop)
+                    tg.start_soon(self.watch.run)
                     self.kick()
                     task_status.started()
             finally:
@@ -254,7 +303,17 @@ class EndpointRuntime(Generic[E]):
     async def _channel_loop(self) -> None:
         async for ev in self.channel.events():
             if isinstance(ev, Received):
-                self.endpoint.receive(self.now(), ev.peer, ev.message)
+                now = self.now()
+                if isinstance(ev.message, (Register, Announce)) and self.watch.suspect(now):
+                    self.watch.dropped += 1
+                    log.warning(
+                        "dropped %s from %s: this process was stalled, the frame may be "
+                        "older than its lease (max_transit)",
+                        type(ev.message).__name__,
+                        ev.peer,
+                    )
+                    continue
+                self.endpoint.receive(now, ev.peer, ev.message)
             elif isinstance(ev, PeerLost):
                 self.endpoint.peer_lost(self.now(), ev.peer)
             elif isinstance(ev, PeerConnected):

@@ -5,12 +5,14 @@ request was told is ready holds wrong bytes, that the failing request is
 reported failed in time (or completes correctly), that every reserved and held
 block comes back, and that other requests are not affected.
 
-Scenario 4 of the reliability issue (a SIGSTOPped producer) is not here yet
-(9 is ``tests/test_nixl_runtime.py::test_a_prefill_restarted_on_the_same_port_gets_fresh_agents``).
+Scenario 9 (a peer restarted on the same port) is
+``tests/test_nixl_runtime.py::test_a_prefill_restarted_on_the_same_port_gets_fresh_agents``.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 
@@ -61,6 +63,49 @@ def test_01_decode_aborts_after_registering(when: str) -> None:
         still_reused(d, dst)
         settle(p, d)
         transfer(p, d, "next", [50, 51], [50, 51], "push")  # others unaffected
+
+
+@pytest.mark.parametrize("when", ["before it reads the registration", "with the write posted"])
+def test_04_a_stopped_prefill_never_writes_into_released_blocks(when: str) -> None:
+    """vLLM L1, #46283, #55470: the prefill goes silent (SIGSTOP, not kill).
+    The decode fails the request at its deadline, frees the blocks only at the
+    quarantine (deadline + max_transit + op_bound), and reuses them. Then
+    SIGCONT: the prefill wakes up to a registration (and KV) that are stale.
+    Before the fix its pump measured the lease from the moment it *read* the
+    frame, after the stop, and wrote all 16 blocks into the reused ones; now
+    it notices the stall and drops the lease-bearing frame."""
+    with sides(spec(Role.PRODUCER, 1, 16), spec(Role.CONSUMER, 1, 16, ready_timeout=3.0)) as (p, d):
+        transfer(p, d, "warm", [1, 2], [1, 2], "push")
+        tid, src, dst = "stopped", list(range(10, 26)), list(range(30, 46))
+        assert p("fill", src, len(tid)) == ("ok",)
+        if when == "with the write posted":
+            assert d("reserve", tid, dst, "push", 0)[0] == "reserved"
+            assert d("pause", True) == ("ok",)  # the decode does not see the write finish
+            assert p("kv_ready", tid, src) == ("ok",)
+            time.sleep(0.3)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            if when == "before it reads the registration":
+                assert d("reserve", tid, dst, "push", 0)[0] == "reserved"
+            assert d("pause", False) == ("ok",)
+            released, _ = d.wait(("Released",), tid, 10)
+            # FAST timing: deadline 3.0 s, quarantine 3.0 + 0.5 + 1.0 s.
+            assert 2.9 < released["failed_after_reserve"] < 3.5, released
+            assert 4.49 < released["released_after_reserve"] < 6.0, released
+            assert d("fill", dst, REUSED) == ("ok",)  # another request's KV
+            if when == "before it reads the registration":
+                p.conn.send(("kv_ready", tid, src))  # handled once it runs again
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        if when == "before it reads the registration":
+            assert p.reply() == ("ok",)
+        out, _ = p.wait(("SourceReleased",), tid, 10)
+        assert out["outcome"] != "delivered", out
+        time.sleep(0.5)
+        still_reused(d, dst)
+        assert d("wait", ("Ready",), tid, 0.1, 1)[0] == "timeout"
+        settle(p, d)
+        transfer(p, d, "after", [50, 51], [50, 51], "push")  # the pair works again
 
 
 def test_02_a_write_that_fails_to_post_is_reported_at_once() -> None:
