@@ -108,6 +108,7 @@ _MAC_BYTES = 32
 _NOTICE_MAC_BYTES = 16
 _FLAG_MAC = 0x01
 _NOTICE = struct.Struct("<3sBBQHHH")
+_HANDSHAKE_LABEL = b"kvpush channel handshake\0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +238,14 @@ class Codec:
     def authenticated(self) -> bool:
         """Whether frames and notices carry (and must carry) a MAC."""
         return self._mac is not None
+
+    def handshake_mac(self, data: bytes) -> bytes | None:
+        """HMAC-SHA256 of ``data`` under the secret for the control channel's own
+        handshake (its preamble and ack), or ``None`` without a secret. A fixed
+        label keeps these tags apart from the tags of frames and notices."""
+        if self._mac is None:
+            return None
+        return _tag(self._mac, _HANDSHAKE_LABEL + bytes(data))
 
     # --- control frames ---------------------------------------------------------
 

@@ -40,8 +40,11 @@ sides dial at once, the acceptor with the smaller name refuses the other's dial
 while its own is in flight (so the connection dialed by the smaller name wins
 on both sides); a dial that arrives while a connection is up replaces it only
 if the dialer names that connection as the one it replaces (it saw it die), or
-comes from a new instance of the peer. The preamble is not authenticated: with
-a codec secret a forger cannot inject messages, but can displace a connection.
+comes from a new instance of the peer. With a codec secret the preamble and
+ack are sealed with it too (:func:`._framing.seal`): a forger can neither
+inject messages nor displace a peer's connection (a preamble under a live
+peer's name and a new instance would otherwise pass for its restart, and fail
+its transfers). Without a secret, whoever reaches the port is trusted.
 """
 
 from __future__ import annotations

@@ -19,11 +19,19 @@ import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from kvpush.protocol import RemoteProtocolError
+from kvpush.protocol import Codec, RemoteProtocolError
 
 from ._channel_peer import _Conn, _Peer
 from ._channel_types import Backoff, ChannelEvent
-from ._framing import MAX_PREAMBLE_BYTES, Ack, Preamble, read_frame, write_frame
+from ._framing import (
+    MAX_HANDSHAKE_BYTES,
+    Ack,
+    Preamble,
+    read_frame,
+    seal,
+    unseal,
+    write_frame,
+)
 
 log = logging.getLogger("kvpush.runtime.channel")
 
@@ -47,6 +55,7 @@ class _Links:
     # --- ControlChannel's state and helpers that set-up uses -------------------------
 
     _name: str
+    _codec: Codec
     _instance: int
     _state: str
     _peers: dict[str, _Peer]
@@ -103,8 +112,9 @@ class _Links:
                 self._sockets.add(stream)
                 self._tune(stream)
                 receiver = BufferedByteReceiveStream(stream)
-                await write_frame(stream, pre.encode())
-                ack = Ack.decode(await read_frame(receiver, max_frame_bytes=MAX_PREAMBLE_BYTES))
+                await write_frame(stream, seal(pre.encode(), self._codec))
+                frame = await read_frame(receiver, max_frame_bytes=MAX_HANDSHAKE_BYTES)
+                ack = Ack.decode(unseal(frame, self._codec))
         except (*_NET_ERRORS, RemoteProtocolError) as exc:
             p.connect_failures += 1
             log.debug("%s: dial %s at %s:%d failed: %r", self._name, p.name, *route, exc)
@@ -167,8 +177,8 @@ class _Links:
             self._tune(stream)
             receiver = BufferedByteReceiveStream(stream)
             with anyio.fail_after(self._connect_timeout):
-                frame = await read_frame(receiver, max_frame_bytes=MAX_PREAMBLE_BYTES)
-            hello = Preamble.decode(frame)
+                frame = await read_frame(receiver, max_frame_bytes=MAX_HANDSHAKE_BYTES)
+            hello = Preamble.decode(unseal(frame, self._codec))
         except (*_NET_ERRORS, RemoteProtocolError) as exc:
             self._handshake_failures += 1
             log.warning("%s: refused a connection before its preamble: %r", self._name, exc)
@@ -183,7 +193,8 @@ class _Links:
         p, conn, events = admitted
         try:
             with anyio.fail_after(self._connect_timeout):
-                await write_frame(stream, Ack(self._name, self._instance, hello.conn_id).encode())
+                ack = Ack(self._name, self._instance, hello.conn_id).encode()
+                await write_frame(stream, seal(ack, self._codec))
         except _NET_ERRORS as exc:
             self._drop(p, conn, f"ack failed: {exc!r}")
         finally:

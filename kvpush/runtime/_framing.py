@@ -16,7 +16,11 @@ handshake, below the protocol's ``Hello``)::
     dialer -> acceptor  b"KVPCH1" | instance u64 | conn_id u64 | supersedes u64 | name
     acceptor -> dialer  b"KVPAK1" | instance u64 | conn_id u64 | name
 
-(integers big-endian, ``name`` UTF-8). ``instance`` is random per channel
+(integers big-endian, ``name`` UTF-8). With a codec secret both travel
+sealed: ``b"KVPMAC" | HMAC-SHA256 (32 bytes) | preamble or ack``, the MAC from
+:meth:`Codec.handshake_mac` over the preamble or ack (:func:`seal`,
+:func:`unseal`). A sealed one is refused without a secret and a plain one with
+a secret, like codec frames. ``instance`` is random per channel
 object (a restarted peer has a new one); ``conn_id`` is chosen by the dialer
 and echoed by the acceptor; ``supersedes`` is the id of the last connection the
 dialer had with this peer (0 if none): the acceptor uses it to tell a redial
@@ -26,21 +30,31 @@ that refuses the connection closes it without an ack.
 
 from __future__ import annotations
 
+import hmac
 import struct
 from dataclasses import dataclass
 
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from kvpush.protocol import MAX_ID_LEN, LocalProtocolError, RemoteProtocolError
+from kvpush.protocol import (
+    MAX_ID_LEN,
+    AuthenticationError,
+    Codec,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
 
 __all__ = (
+    "MAX_HANDSHAKE_BYTES",
     "MAX_PREAMBLE_BYTES",
     "Ack",
     "FramingError",
     "Preamble",
     "encode_frame",
     "read_frame",
+    "seal",
+    "unseal",
     "write_frame",
 )
 
@@ -52,8 +66,12 @@ _PREAMBLE_MAGIC = b"KVPCH1"
 _ACK_MAGIC = b"KVPAK1"
 _PREAMBLE = struct.Struct(">6sQQQ")
 _ACK = struct.Struct(">6sQQ")
+_SEAL_MAGIC = b"KVPMAC"
+_SEAL_MAC_BYTES = 32
 #: Largest preamble or ack payload (a name is at most MAX_ID_LEN UTF-8 bytes).
 MAX_PREAMBLE_BYTES = _PREAMBLE.size + MAX_ID_LEN
+#: Largest handshake frame: a preamble or ack, sealed.
+MAX_HANDSHAKE_BYTES = len(_SEAL_MAGIC) + _SEAL_MAC_BYTES + MAX_PREAMBLE_BYTES
 
 
 class FramingError(RemoteProtocolError):
@@ -148,3 +166,31 @@ class Ack:
             raise FramingError("not a kvpush channel ack")
         _, instance, conn_id = _ACK.unpack_from(data)
         return cls(_name(data[_ACK.size :], "ack"), instance, conn_id)
+
+
+def seal(payload: bytes, codec: Codec) -> bytes:
+    """A preamble or ack as sent: sealed with the codec's secret, or as is without one."""
+    mac = codec.handshake_mac(payload)
+    return payload if mac is None else _SEAL_MAGIC + mac + payload
+
+
+def unseal(data: bytes, codec: Codec) -> bytes:
+    """The preamble or ack inside ``data``; :class:`AuthenticationError` if its
+    seal is missing or wrong (with a secret), or present (without one)."""
+    sealed = data[: len(_SEAL_MAGIC)] == _SEAL_MAGIC
+    head = len(_SEAL_MAGIC) + _SEAL_MAC_BYTES
+    if not codec.authenticated:
+        if sealed:
+            raise AuthenticationError("handshake has a MAC but no secret is configured")
+        return data
+    if not sealed:
+        raise AuthenticationError("handshake has no MAC but a secret is configured")
+    payload = data[head:]
+    mac = codec.handshake_mac(payload)
+    if (
+        mac is None
+        or len(data) <= head
+        or not hmac.compare_digest(data[len(_SEAL_MAGIC) : head], mac)
+    ):
+        raise AuthenticationError("handshake has a bad MAC")
+    return payload
