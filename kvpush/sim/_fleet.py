@@ -69,6 +69,8 @@ class Fleet:
         hw, ctl = scenario.hardware, scenario.control
         self.links = Links(self.loop, hw.transfer_latency_us / 1e6)
         self.ctl_latency = ctl.control_latency_ms / 1e3
+        #: The transport's bound on a posted op (the core's Timing.op_bound).
+        self.op_bound = ProducerConfig(self._identity("p", 1)).timing.op_bound
         self.hop = ctl.hop_ms / 1e3
         #: Request handling on the common path (P's ingress, D's streaming out).
         self.frontend = ctl.frontend_ms / 1e3
@@ -148,6 +150,7 @@ class Fleet:
             return
         p = min(alive, key=lambda p: (p.queued_tokens, p.index))
         r.prefill = p.index
+        p.queued_tokens += r.input_tokens  # the router's view: sent, not yet done
         leg = self.hop + self.frontend + self.tokenize_s(r.input_tokens)
         self.loop.after(leg, lambda: p.submit(r) if p.alive else self.fail(r, "prefill_died"))
         if not self.sequential:
@@ -405,7 +408,8 @@ class Fleet:
             if p.alive and p.producer is producer:
                 self._writes_settled(p, ops, ok, "link failed")
 
-        self.links.start(self.flow_work(len(op.src_blocks[0]), ndesc), p.nic, d.nic, done)
+        work = self.flow_work(len(op.src_blocks[0]), ndesc)
+        self.links.start(work, p.nic, d.nic, done, self.op_bound)
 
     def _writes_settled(
         self, p: PrefillInstance, ops: list[StartWrite], ok: bool, why: str
@@ -460,7 +464,8 @@ class Fleet:
                 self.land(d, op, len(ops))
             self._reads_settled(d, ops, ok)
 
-        self.links.start(self.flow_work(len(op.src_blocks[0]), ndesc), p.nic, d.nic, done)
+        work = self.flow_work(len(op.src_blocks[0]), ndesc)
+        self.links.start(work, p.nic, d.nic, done, self.op_bound)
 
     def _reads_settled(self, d: DecodeInstance, ops: list[StartRead], ok: bool) -> None:
         now = self.loop.now

@@ -84,8 +84,8 @@ class PrefillInstance:
         self.busy_s = 0.0
 
     def submit(self, r: Request) -> None:
+        """``r`` arrives (the router counted it in ``queued_tokens`` already)."""
         self.queue.append(r)
-        self.queued_tokens += r.input_tokens
         self.kick()
 
     def kick(self) -> None:

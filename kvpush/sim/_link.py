@@ -45,14 +45,27 @@ class Links:
         self.loop = loop
         self.latency = latency
         self.busy_s = 0.0
+        #: Flows killed by the transport bound.
+        self.expired = 0
 
-    def start(self, work: float, src: Nic, dst: Nic, done: Callable[[bool], None]) -> Flow:
+    def start(
+        self, work: float, src: Nic, dst: Nic, done: Callable[[bool], None], bound: float
+    ) -> Flow:
+        """Start a flow; like a real transport, one still running ``bound``
+        seconds after it was posted is killed (``done(False)``): the protocol's
+        ``op_bound`` rests on that."""
         flow = Flow(max(work, 1e-9), (src, dst), done)
         flow.last = self.loop.now
         src.flows[flow] = None
         dst.flows[flow] = None
         self._rebalance(src, dst)
+        self.loop.after(bound, functools.partial(self._expire, flow))
         return flow
+
+    def _expire(self, flow: Flow) -> None:
+        if flow in flow.ends[0].flows:
+            self.expired += 1
+            self.cancel(flow)
 
     def cancel(self, flow: Flow) -> None:
         """The flow dies now (its producer died): ``done(False)`` at once."""

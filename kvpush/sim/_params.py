@@ -232,12 +232,7 @@ def load_scenario(name_or_path: str) -> Scenario:
         if not path.is_file():
             names = ", ".join(available_scenarios())
             raise ScenarioError(f"unknown scenario {name_or_path!r} (known: {names})")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ScenarioError(f"cannot read scenario {str(path)!r}: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ScenarioError(f"scenario {str(path)!r} must be a JSON object")
+    raw = _read(path, depth=0)
     scenario = Scenario(
         name=str(raw.get("name", path.stem)),
         model=_build(Model, "model", raw.get("model")),
@@ -249,6 +244,30 @@ def load_scenario(name_or_path: str) -> Scenario:
     )
     check_scenario(scenario)
     return scenario
+
+
+def _read(path: Path, depth: int) -> dict[str, Any]:
+    """A scenario file's JSON; ``"extends": "<name>"`` starts from another
+    shipped scenario and overrides it section by section, key by key."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ScenarioError(f"cannot read scenario {str(path)!r}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"scenario {str(path)!r} must be a JSON object")
+    base_name = raw.pop("extends", None)
+    if base_name is None:
+        return raw
+    base_path = _scenario_dir() / f"{base_name}.json"
+    if depth > 4 or not isinstance(base_name, str) or not base_path.is_file():
+        raise ScenarioError(f"scenario {str(path)!r} extends unknown {base_name!r}")
+    merged = _read(base_path, depth + 1)
+    for key, value in raw.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
 
 
 def check_scenario(s: Scenario) -> None:

@@ -1,0 +1,174 @@
+"""The fleet simulator (kvpush.sim): determinism, conservation, monotonicity,
+the real core's epoch check, light-load fidelity and faults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvpush.protocol import Consumer
+from kvpush.sim import Result, Scenario, load_scenario, simulate
+
+MODES = ("pull", "push", "bg-pull")
+
+
+@pytest.fixture(scope="module")
+def seed() -> Scenario:
+    return load_scenario("seed")
+
+
+def small(s: Scenario, **faults: float) -> Scenario:
+    """Two prefill and two decode instances (routing, several peers)."""
+    return s.with_fleet(prefill=2, decode=2).with_faults(**faults)
+
+
+def assert_conserved(result: Result) -> None:
+    fleet = result.fleet
+    assert all(r.ended for r in result.requests)
+    assert sum(not r.failed for r in result.requests) == result.row.completed
+    for d in fleet.decodes:
+        assert d.consumer.reserved_blocks == 0
+        assert d.consumer.reservations() == []
+        assert len(d.pool.free) == d.pool.size, f"{d.name} leaked blocks"
+        assert not d.requests and not d.waiting and not d.running
+    for p in fleet.prefills:
+        if p.alive:
+            assert p.producer.held_blocks == 0
+            assert len(p.pool.free) == p.pool.size, f"{p.name} leaked blocks"
+    assert result.row.stale_pairings == 0
+    assert result.row.corrupt_writes == 0
+
+
+def test_kv_bytes_per_token_from_model_shape(seed: Scenario) -> None:
+    # K and V x 64 layers x 8 KV heads x 128 dims x 2 bytes (BF16)
+    assert seed.model.kv_bytes_per_token == 2 * 64 * 8 * 128 * 2 == 262_144
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_same_seed_same_result(seed: Scenario, mode: str) -> None:
+    s = small(seed, preempt_per_s=2.0)
+    a = simulate(s, mode, 6, 4096, requests=80, seed=7)
+    b = simulate(s, mode, 6, 4096, requests=80, seed=7)
+    assert a.row == b.row
+    assert [r.first_token for r in a.requests] == [r.first_token for r in b.requests]
+    assert a.events == b.events
+    c = simulate(s, mode, 6, 4096, requests=80, seed=8)
+    assert c.row != a.row
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_request_ends_and_no_block_leaks(seed: Scenario, mode: str) -> None:
+    result = simulate(small(seed, preempt_per_s=5.0), mode, 8, 4096, requests=150, seed=1)
+    assert result.row.preemptions > 0
+    assert_conserved(result)
+
+
+def test_more_qps_never_lowers_pull_ttft(seed: Scenario) -> None:
+    ttft = [
+        simulate(seed, "pull", q, 4096, requests=150, seed=2).row.ttft_ms_mean
+        for q in (1, 2, 4, 6, 8)
+    ]
+    assert ttft == sorted(ttft), ttft
+
+
+def test_without_control_costs_pull_and_push_converge(seed: Scenario) -> None:
+    def gap(s: Scenario) -> float:
+        pull = simulate(s, "pull", 8, 16384, requests=200, seed=3).row
+        push = simulate(s, "push", 8, 16384, requests=200, seed=3).row
+        return abs(pull.ttft_ms_mean - push.ttft_ms_mean) / push.ttft_ms_mean
+
+    free = seed.with_control(
+        prep_fixed_ms=0.0, prep_per_desc_us=0.0, hop_ms=0.0, tokenize_us_per_token=0.0
+    )
+    free = dataclasses.replace(free, hardware=dataclasses.replace(free.hardware, wire_op_us=0.0))
+    assert gap(seed) > 0.5
+    assert gap(free) < 0.02
+
+
+def _bypass_epochs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the consumer match a completion by transfer id alone, as vLLM's
+    push connector does: a notice of an old epoch counts for the live one."""
+    original = Consumer.completion_received
+
+    def by_transfer_id(self: Consumer, now: float, notice: object) -> None:
+        live = self._live.get(notice.transfer_id)  # type: ignore[attr-defined]
+        if live is not None:
+            notice = dataclasses.replace(notice, epoch=live.epoch)  # type: ignore[type-var]
+        original(self, now, notice)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Consumer, "completion_received", by_transfer_id)
+
+
+def _preempt_during_writes(s: Scenario) -> Scenario:
+    # a slow link keeps writes in flight long enough for preemptions to hit them
+    return s.with_faults(
+        preempt_per_s=20.0, slow_link_at_s=0.0, slow_link_for_s=1e6, slow_link_factor=5.0
+    )
+
+
+def test_epoch_check_keeps_stale_writes_out(seed: Scenario) -> None:
+    result = simulate(_preempt_during_writes(seed), "push", 2, 16384, requests=120, seed=4)
+    assert result.row.preemptions > 10
+    assert_conserved(result)
+
+
+def test_bypassing_the_epoch_check_is_detected(
+    seed: Scenario, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _bypass_epochs(monkeypatch)
+    result = simulate(_preempt_during_writes(seed), "push", 2, 16384, requests=120, seed=4)
+    assert result.row.stale_pairings > 0
+
+
+def test_light_load_modes_within_ten_percent(seed: Scenario) -> None:
+    rows = {m: simulate(seed, m, 1, 1024, requests=300, seed=0).row for m in MODES}
+    push = rows["push"]
+    for m in ("pull", "bg-pull"):
+        assert abs(rows[m].ttft_ms_mean - push.ttft_ms_mean) <= 0.10 * push.ttft_ms_mean
+        assert abs(rows[m].tpot_ms_mean - push.tpot_ms_mean) <= 0.10 * push.tpot_ms_mean
+    assert 5.4 <= push.tpot_ms_mean <= 6.0  # seed: 5.6-5.8 ms
+
+
+def test_loaded_16k_tpot_and_ttft_gap(seed: Scenario) -> None:
+    # TPOT is stable across seeds: within 15% of the seed's 10.4 / 7.0 ms.
+    # TTFT at 8 QPS x 16k is queueing near saturation; its +-15% check
+    # averages five seeds (benchmarks/sim_fidelity.py).
+    pull = simulate(seed, "pull", 8, 16384, requests=300, seed=0).row
+    push = simulate(seed, "push", 8, 16384, requests=300, seed=0).row
+    assert abs(pull.tpot_ms_mean - 10.4) <= 0.15 * 10.4
+    assert abs(push.tpot_ms_mean - 7.0) <= 0.15 * 7.0
+    assert pull.ttft_ms_mean > 1.5 * push.ttft_ms_mean
+
+
+def test_bg_pull_takes_preparation_off_the_decode_loop(seed: Scenario) -> None:
+    pull = simulate(seed, "pull", 8, 16384, requests=200, seed=0).row
+    bg = simulate(seed, "bg-pull", 8, 16384, requests=200, seed=0).row
+    push = simulate(seed, "push", 8, 16384, requests=200, seed=0).row
+    assert bg.tpot_ms_mean < pull.tpot_ms_mean
+    assert abs(bg.tpot_ms_mean - push.tpot_ms_mean) < 0.05 * push.tpot_ms_mean
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_death_fails_then_recovers(seed: Scenario, mode: str) -> None:
+    s = small(seed, kill_prefill_at_s=5.0, restart_after_s=3.0, detect_s=0.5)
+    result = simulate(s, mode, 4, 4096, requests=100, seed=5)
+    assert result.row.failed > 0
+    assert result.row.recovery_s is not None and 0 <= result.row.recovery_s < 20
+    assert result.fleet.prefills[0].producer.identity.instance == 2
+    assert_conserved(result)
+
+
+def test_slow_link_recovers_without_failures(seed: Scenario) -> None:
+    s = seed.with_faults(slow_link_at_s=5.0, slow_link_for_s=3.0, slow_link_factor=50.0)
+    result = simulate(s, "push", 2, 16384, requests=60, seed=6)
+    assert result.row.failed == 0
+    assert result.row.recovery_s is not None and result.row.recovery_s > 0
+    assert_conserved(result)
+
+
+def test_sequential_router_costs_push_its_overlap(seed: Scenario) -> None:
+    concurrent = simulate(seed, "push", 4, 16384, requests=150, seed=0).row
+    s = seed.with_fleet(router="sequential")
+    sequential = simulate(s, "push", 4, 16384, requests=150, seed=0).row
+    assert sequential.ttft_ms_mean > concurrent.ttft_ms_mean
