@@ -151,7 +151,10 @@ def test_bg_pull_takes_preparation_off_the_decode_loop(seed: Scenario) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prefill_death_fails_then_recovers(seed: Scenario, mode: str) -> None:
-    s = small(seed, kill_prefill_at_s=5.0, restart_after_s=3.0, detect_s=0.5)
+    # one prefill instance: requests arriving while it is down fail too
+    s = seed.with_fleet(decode=2).with_faults(
+        kill_prefill_at_s=5.0, restart_after_s=3.0, detect_s=0.5
+    )
     result = simulate(s, mode, 4, 4096, requests=100, seed=5)
     assert result.row.failed > 0
     assert result.row.recovery_s is not None and 0 <= result.row.recovery_s < 20
