@@ -79,6 +79,9 @@ class Soak:
         self.released: collections.Counter[str] = collections.Counter()
         self.checked_reused = 0
         self.fault = "none"
+        #: Rounds in which a process noticed it had not run for its stall limit
+        #: without an injected stall (a loaded machine): both requests may fail.
+        self.machine_stalls = 0
         self.peak_rss_kib: dict[str, int] = {}
 
     def close(self) -> None:
@@ -103,6 +106,7 @@ class Soak:
         if fault == "restart-prefill":
             self._restart_prefill()
         p, d = self.p, self.d
+        stalls = self._stalls()
         assert p("fill", vsrc, vsalt) == ("ok",) and p("fill", bsrc, bsalt) == ("ok",)
         dst_of = {t: dst for t, dst in ((victim, vdst), (bystander, bdst)) if self._reserve(t, dst)}
         pair_hit = fault in ("stall-prefill", "restart-prefill")
@@ -130,8 +134,12 @@ class Soak:
             self._settle(victim, dst_of.pop(victim), released=True)
             if self._reserve(victim, vnew):  # the new epoch
                 dst_of[victim] = vnew
+        outcomes = {tid: self._wait(tid, ("Ready", "Failed")) for tid in dst_of}
+        if self._stalls() != stalls:  # this machine stalled a process: a pair fault
+            self.machine_stalls += 1
+            pair_hit = True
         for tid, dst in dst_of.items():
-            ev = self._wait(tid, ("Ready", "Failed"))
+            ev = outcomes[tid]
             if ev["type"] == "Ready":
                 salt = vsalt if tid == victim else bsalt
                 if self.d("bad_blocks", dst, salt, 0) != ("bad", []):
@@ -152,6 +160,9 @@ class Soak:
         if out[0] != "reserved":
             self.failures[f"refused: {out[1]}"] += 1
         return bool(out[0] == "reserved")
+
+    def _stalls(self) -> tuple[int, int]:
+        return self.p("counts")[5], self.d("counts")[5]
 
     def _wait(self, tid: str, kinds: tuple[str, ...], nth: int = 1) -> dict[str, Any]:
         out = self.d("wait", kinds, tid, 15.0, nth, timeout=60)
@@ -240,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "completed": soak.completed,
         "failures": dict(sorted(soak.failures.items())),
         "faults": dict(sorted(soak.faults.items())),
+        "rounds_with_a_machine_stall": soak.machine_stalls,
         "corrupt": soak.corrupt,
         "reused_block_sets_checked": soak.checked_reused,
         "leaked_blocks": {"decode_reserved": reserved, "prefill_held": held},

@@ -285,7 +285,8 @@ class Side:
             held = getattr(ep, "held_blocks", 0)
             reserved = getattr(ep, "reserved_blocks", 0)
             dp = runtime.dataplane
-            return ("counts", reserved, held, dp.posted, dp.posted_prepped)
+            stalls = runtime.watch.stalls
+            return ("counts", reserved, held, dp.posted, dp.posted_prepped, stalls)
         raise ValueError(f"unknown command {kind!r}")
 
     async def _wait(self, kinds: tuple[str, ...], tid: str, timeout: float, nth: int = 1) -> Any:
