@@ -209,7 +209,11 @@ class DataPlane:
                     return results
             if kind == "peer":
                 assert isinstance(item, PeerRanks)
-                self._add_peer(item)
+                try:
+                    self._add_peer(item)
+                except KvpushError as exc:  # its transport metadata: the peer is unusable
+                    log.error("cannot add peer %s: %s", item.peer, exc)
+                    self._peers.pop(item.peer, None)
             else:
                 assert isinstance(item, (StartWrite, StartRead))
                 error = self._post(item)

@@ -27,6 +27,7 @@ from kvpush.protocol import (
     Consumer,
     ControlMessage,
     Event,
+    Hello,
     KVLayout,
     KvpushError,
     Mode,
@@ -211,6 +212,7 @@ class EndpointRuntime(Generic[E]):
         self._results: queue.SimpleQueue[list[Result]] = queue.SimpleQueue()
         self._wakeup: _Wakeup | None = None  # open while run() runs
         self.frames_dropped = 0
+        self.bad_hellos = 0
         self.watch = StallWatch(limit, self.now)
         if dataplane is not None:
             dataplane.bind(self.post_results)
@@ -276,6 +278,19 @@ class EndpointRuntime(Generic[E]):
                     self._on_event(out)
                 self._have_events.set()
 
+    def _usable(self, peer: str, hello: Hello) -> bool:
+        """Whether a hello's rank descriptions decode; a hello whose do not is
+        dropped (counted, logged) before the core sees it: the handshake with
+        that peer then never completes, and nothing else is disturbed."""
+        try:
+            for blob in hello.ranks:
+                decode_rank(blob)
+        except KvpushError as exc:
+            self.bad_hellos += 1
+            log.warning("dropped a hello from %s: %s", peer, exc)
+            return False
+        return True
+
     def _add_peer(self, peer: str) -> None:
         hello = self.endpoint.peer(peer).hello
         assert hello is not None and self.dataplane is not None
@@ -304,6 +319,8 @@ class EndpointRuntime(Generic[E]):
         async for ev in self.channel.events():
             if isinstance(ev, Received):
                 now = self.now()
+                if isinstance(ev.message, Hello) and not self._usable(ev.peer, ev.message):
+                    continue
                 if isinstance(ev.message, (Register, Announce)) and self.watch.suspect(now):
                     self.watch.dropped += 1
                     log.warning(
