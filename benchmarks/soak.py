@@ -16,11 +16,12 @@ restarted prefill), and a *victim* that gets the round's fault:
 * ``restart-prefill``: the prefill is killed and restarted on its port;
 * ``none``.
 
+Throughout, each side duplicates or reorders ``CHAOS`` of the control frames
+it sends (``tests/nixl_side.py``'s ``Chaos``).
+
 Blocks a victim gave back are refilled with another request's pattern at
 once and checked again at the end of the next round: a late write would show.
 It reuses the two-process harness of the test suite (``tests/nixl_procs.py``).
-Duplicated and reordered control frames are not injected here: the protocol
-explorer and the property tests cover them on the core (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ FAULTS = (
     "restart-prefill",
 )
 WEIGHTS = (30, 12, 12, 12, 12, 12, 4)
+#: Throughout: each control frame either side sends is duplicated, or held
+#: back and sent after the next one, with this probability.
+CHAOS = 0.05
 REUSED = 9
 BLOCKS = 64  # per side (the harness's pool)
 N = 4  # blocks per request
@@ -68,6 +72,9 @@ class Soak:
         assert self.d("route", "127.0.0.1", self.p.port) == ("ok",)
         self.peer_ready = 1
         self.d.wait(("PeerReady",), "", 20, nth=self.peer_ready)
+        self.chaos_frames = collections.Counter[str]()
+        for proc in (self.p, self.d):
+            assert proc("chaos", CHAOS, CHAOS) == ("ok",)
         self.rounds = 0
         self.completed = 0
         self.failures: collections.Counter[str] = collections.Counter()
@@ -135,8 +142,8 @@ class Soak:
             if self._reserve(victim, vnew):  # the new epoch
                 dst_of[victim] = vnew
         outcomes = {tid: self._wait(tid, ("Ready", "Failed")) for tid in dst_of}
-        if self._stalls() != stalls:  # this machine stalled a process: a pair fault
-            self.machine_stalls += 1
+        if self._stalls() != stalls:  # a process noticed it had not run: a pair fault
+            self.machine_stalls += fault != "stall-prefill"
             pair_hit = True
         for tid, dst in dst_of.items():
             ev = outcomes[tid]
@@ -194,11 +201,18 @@ class Soak:
                 keep.append((freed, blocks))
         self.resting = keep
 
+    def _chaos(self, proc: Proc) -> None:
+        dup, reordered = proc("counts")[6]
+        self.chaos_frames["duplicated"] += dup
+        self.chaos_frames["reordered"] += reordered
+
     def _restart_prefill(self) -> None:
         port = self.p.port
         self._rss(self.p, "prefill")
+        self._chaos(self.p)
         self.p.kill()
         self.p = Proc(replace(self.prod, port=port))
+        assert self.p("chaos", CHAOS, CHAOS) == ("ok",)
         self.peer_ready += 1
         self._wait("", ("PeerReady",), nth=self.peer_ready)
 
@@ -239,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         reserved, held = soak.leaked()
         soak._rss(soak.p, "prefill")
         soak._rss(soak.d, "decode")
+        soak._chaos(soak.p)
+        soak._chaos(soak.d)
     except (RuntimeError, TimeoutError, AssertionError) as exc:
         error = repr(exc)
         reserved = held = -1
@@ -251,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "completed": soak.completed,
         "failures": dict(sorted(soak.failures.items())),
         "faults": dict(sorted(soak.faults.items())),
+        "control_frames": dict(soak.chaos_frames),
         "rounds_with_a_machine_stall": soak.machine_stalls,
         "corrupt": soak.corrupt,
         "reused_block_sets_checked": soak.checked_reused,

@@ -15,7 +15,9 @@ flight at a known moment.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import secrets
 import time
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from kvpush.protocol import (
     HeadOrder,
     Identity,
     KVLayout,
+    KvpushError,
     MemoryType,
     Mode,
     Producer,
@@ -125,6 +128,49 @@ class Paused:
         return getattr(self.inner, name)
 
 
+class Chaos:
+    """The real control channel, except that on command (``chaos``) a frame
+    the pump sends is duplicated, or held back and sent after the next one to
+    the same peer (reordered). A held frame goes out within ``hold`` seconds
+    even if no other follows, well inside ``max_transit``: reordering, not
+    delay (a frame late past ``max_transit`` would break assumption A1, which
+    the real channel enforces)."""
+
+    def __init__(self, inner: ControlChannel, hold: float = 0.02) -> None:
+        self.inner = inner
+        self.hold = hold
+        self.dup = self.reorder = 0.0
+        self.rng = random.Random(0)
+        self.held: dict[str, tuple[float, Any]] = {}
+        self.duplicated = self.reordered = 0
+
+    def send_nowait(self, peer: str, message: Any) -> None:
+        held = self.held.pop(peer, None)
+        if held is None and self.rng.random() < self.reorder:
+            self.held[peer] = (time.monotonic(), message)
+            return
+        self.inner.send_nowait(peer, message)
+        if held is not None:
+            self.reordered += 1
+            self.inner.send_nowait(peer, held[1])
+        if self.rng.random() < self.dup:
+            self.duplicated += 1
+            self.inner.send_nowait(peer, message)
+
+    def events(self) -> Any:
+        return self.inner.events()
+
+    async def flush(self) -> None:
+        while True:
+            await anyio.sleep(self.hold / 2)
+            now = time.monotonic()
+            for peer, (since, message) in list(self.held.items()):
+                if now - since >= self.hold:
+                    del self.held[peer]
+                    with contextlib.suppress(KvpushError):
+                        self.inner.send_nowait(peer, message)
+
+
 class Side:
     def __init__(self, spec: SideSpec) -> None:
         self.spec = spec
@@ -201,8 +247,9 @@ class Side:
         channel_cm = ControlChannel(
             spec.name, codec, max_age=spec.timing.max_transit, peer_lost_after=spec.peer_lost_after
         )
-        async with channel_cm as channel:
-            port = await channel.listen("127.0.0.1", spec.port)
+        async with channel_cm as real:
+            port = await real.listen("127.0.0.1", spec.port)
+            channel = self.chaos = Chaos(real)
             runtime: ProducerRuntime | ConsumerRuntime
             if spec.role is Role.PRODUCER:
                 config = ProducerConfig(
@@ -220,6 +267,7 @@ class Side:
             async with anyio.create_task_group() as tg:
                 await tg.start(runtime.run)
                 tg.start_soon(self._collect, runtime)
+                tg.start_soon(self.chaos.flush)
                 conn.send(("up", port, os.getpid()))
                 while True:
                     msg = await anyio.to_thread.run_sync(_recv, conn)
@@ -227,7 +275,7 @@ class Side:
                         continue
                     if msg[0] == "stop":
                         break
-                    conn.send(await self._command(runtime, channel, msg))
+                    conn.send(await self._command(runtime, real, msg))
                 tg.cancel_scope.cancel()
         for t in self.transports:
             t.inner.close()
@@ -274,6 +322,9 @@ class Side:
                 for agent in t.inner.peers:
                     t.inner.remove_peer(agent)
             return ("ok",)
+        if kind == "chaos":  # ("chaos", duplicate probability, reorder probability)
+            self.chaos.dup, self.chaos.reorder = float(args[0]), float(args[1])
+            return ("ok",)
         if kind == "pause":
             for t in self.transports:
                 t.paused = bool(args[0])
@@ -285,8 +336,8 @@ class Side:
             held = getattr(ep, "held_blocks", 0)
             reserved = getattr(ep, "reserved_blocks", 0)
             dp = runtime.dataplane
-            stalls = runtime.watch.stalls
-            return ("counts", reserved, held, dp.posted, dp.posted_prepped, stalls)
+            stalls, chaos = runtime.watch.stalls, (self.chaos.duplicated, self.chaos.reordered)
+            return ("counts", reserved, held, dp.posted, dp.posted_prepped, stalls, chaos)
         raise ValueError(f"unknown command {kind!r}")
 
     async def _wait(self, kinds: tuple[str, ...], tid: str, timeout: float, nth: int = 1) -> Any:
