@@ -142,7 +142,7 @@ class SchedulerSide:
 
         async def setup(stack: contextlib.AsyncExitStack) -> EndpointRuntime[Any]:
             channel = await stack.enter_async_context(
-                ControlChannel(cfg.engine_id, codec, max_age=cfg.timing.max_transit)
+                ControlChannel(cfg.engine_id, codec, max_age=cfg.timing.max_transit / 2)
             )
             self.port = await channel.listen(cfg.host, cfg.port)
             self._channel = channel

@@ -245,7 +245,10 @@ class Side:
             ranks=blobs,
         )
         channel_cm = ControlChannel(
-            spec.name, codec, max_age=spec.timing.max_transit, peer_lost_after=spec.peer_lost_after
+            spec.name,
+            codec,
+            max_age=spec.timing.max_transit / 2,
+            peer_lost_after=spec.peer_lost_after,
         )
         async with channel_cm as real:
             port = await real.listen("127.0.0.1", spec.port)

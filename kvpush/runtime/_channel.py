@@ -11,7 +11,8 @@ Sending. Each peer has a bounded queue (``max_queue`` frames and
 ``max_queue_bytes``) drained by one writer task. :meth:`~ControlChannel.send`
 waits up to ``send_timeout`` for room, then raises :class:`ChannelBusy`;
 :meth:`~ControlChannel.send_nowait` raises it at once. A frame that waited in
-the queue longer than ``max_age`` (the protocol's ``Timing.max_transit``) is
+the queue longer than ``max_age`` (half the protocol's ``Timing.max_transit``:
+the other half is the receiving pump's ``stall_limit``) is
 dropped and counted, never sent late; sockets also get ``TCP_USER_TIMEOUT =
 max_age`` where the platform has it, so bytes the peer does not acknowledge in
 time kill the connection instead of arriving late. A frame handed to a
@@ -116,9 +117,10 @@ class ControlChannel(_Links):
 
     Use as ``async with ControlChannel(name, codec) as ch:``; inside, call
     :meth:`listen`, :meth:`add_route`, :meth:`send` / :meth:`send_nowait` and
-    consume :meth:`events`. ``max_age`` should be the endpoint's
-    ``Timing.max_transit``; ``idle_timeout`` (off by default) drops a connection
-    that received nothing for that long (pair it with periodic Heartbeats).
+    consume :meth:`events`. ``max_age`` should be half the endpoint's
+    ``Timing.max_transit`` (the receiving pump's ``stall_limit`` is the other
+    half); ``idle_timeout`` (off by default) drops a connection that received
+    nothing for that long (pair it with periodic Heartbeats).
     """
 
     def __init__(
@@ -133,7 +135,7 @@ class ControlChannel(_Links):
         write_timeout: float = 10.0,
         backoff: Backoff | None = None,
         peer_lost_after: float = 5.0,
-        max_age: float = Timing().max_transit,
+        max_age: float = Timing().max_transit / 2,
         max_events: int = 1024,
         idle_timeout: float | None = None,
     ) -> None:
