@@ -37,6 +37,7 @@ from kvpush.runtime import (
     ControlChannel,
     DataPlane,
     EndpointMetrics,
+    PeerRanks,
     ProducerRuntime,
     Rank,
     ShmTransport,
@@ -405,3 +406,22 @@ def test_the_stall_limit_must_be_positive() -> None:
     ident = Identity("p", 1)
     with pytest.raises(KvpushError, match="stall_limit"):
         ProducerRuntime(Producer(ProducerConfig(ident)), _SilentChannel(), stall_limit=0.0)
+
+
+def test_a_peer_whose_metadata_the_transport_refuses_does_not_end_the_data_plane() -> None:
+    """A hello can carry rank descriptions that decode but that the transport
+    cannot load (found by the frame fuzz): the peer is logged and left without
+    ranks, and the data-plane thread goes on."""
+    layout = rank_layout(1, 0, 16)
+    size = max(r.base + r.num_blocks * r.stride for r in layout.regions)
+    with ShmTransport("dp-r0", size) as transport:
+        dataplane = DataPlane(Role.PRODUCER, {0: Rank(transport, layout)}, 1, Codec())
+        dataplane.bind(lambda results: None)
+        dataplane.start()
+        try:
+            dataplane.add_peer(PeerRanks("forged", {0: (b"not shm metadata", layout)}, 1))
+            time.sleep(0.2)
+            assert dataplane.error is None
+            assert "forged" not in dataplane._peers
+        finally:
+            dataplane.stop()
