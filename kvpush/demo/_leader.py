@@ -64,9 +64,8 @@ class LeaderSpec:
     """Everything a leader process needs (pickled to it)."""
 
     role: Role
-    #: Engine id and channel name of this side, and of the other side.
+    #: Engine id and channel name of this instance.
     name: str
-    peer: str
     geometry: SideGeometry
     #: The rank processes' segment names, rank order.
     segments: tuple[str, ...]

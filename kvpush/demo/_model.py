@@ -24,7 +24,7 @@ __all__ = (
     "plan_pool",
 )
 
-#: Default cap on the KV memory of one run (both sides, every rank).
+#: Default cap on the KV memory of one run (every instance, every rank).
 DEFAULT_MAX_MEMORY_MIB = 512
 
 
@@ -121,31 +121,50 @@ class PoolPlan:
     """How many requests may be in flight at once, and the blocks that takes."""
 
     blocks_per_request: int
-    #: Requests in flight at most (each holds its blocks on both sides).
+    #: Requests in flight at most, over every instance (each holds its blocks on
+    #: its prefill and on its decode instance).
     slots: int
-    #: Blocks per side (every rank of a side has this many).
+    #: Blocks per instance (every rank of an instance has this many).
     num_blocks: int
-    #: KV bytes of both sides together.
+    #: KV bytes of every instance together.
     total_bytes: int
+    #: Requests one instance holds at most (``num_blocks // blocks_per_request``).
+    instance_slots: int
 
 
-def plan_pool(model: ModelShape, prompt_tokens: int, requests: int, max_bytes: int) -> PoolPlan:
-    """A block pool that holds ``requests`` prompts at once on each side, or as
-    many as ``max_bytes`` allows; :class:`DemoError` if not even one fits."""
+def plan_pool(
+    model: ModelShape,
+    prompt_tokens: int,
+    requests: int,
+    max_bytes: int,
+    prefills: int = 1,
+    decodes: int = 1,
+) -> PoolPlan:
+    """A block pool per instance, the same on each of the ``prefills +
+    decodes`` instances, so that ``requests`` prompts can be in flight at once
+    when spread evenly, or as many as ``max_bytes`` (every instance together)
+    allows; :class:`DemoError` if not even one request per instance fits."""
     if prompt_tokens < 1 or requests < 1:
         raise DemoError("--prompt-tokens and --requests must be at least 1")
+    if prefills < 1 or decodes < 1:
+        raise DemoError("there must be at least one prefill and one decode instance")
     per_request = math.ceil(prompt_tokens / model.tokens_per_block)
-    per_slot = 2 * per_request * model.block_bytes  # prefill copy + decode copy
+    instances = prefills + decodes
+    per_slot = instances * per_request * model.block_bytes  # one request on every instance
     fit = max_bytes // per_slot
     if fit < 1:
+        each = "each side" if instances == 2 else f"each of the {instances} instances"
         raise DemoError(
             f"one request of {prompt_tokens} tokens of {model.name} needs "
-            f"{_mib(per_slot // 2)} of KV on each side ({_mib(per_slot)} in all), over the "
-            f"{_mib(max_bytes)} memory cap: lower --prompt-tokens or raise --max-memory-mib"
+            f"{_mib(per_slot // instances)} of KV on {each} ({_mib(per_slot)} in all), over "
+            f"the {_mib(max_bytes)} memory cap: lower --prompt-tokens or raise --max-memory-mib"
         )
-    slots = min(requests, fit)
-    num_blocks = slots * per_request
-    return PoolPlan(per_request, slots, num_blocks, 2 * num_blocks * model.block_bytes)
+    pairs = min(prefills, decodes)  # a request is in flight on one instance of each side
+    instance_slots = min(math.ceil(requests / pairs), fit)
+    num_blocks = instance_slots * per_request
+    slots = min(requests, instance_slots * pairs)
+    total = instances * num_blocks * model.block_bytes
+    return PoolPlan(per_request, slots, num_blocks, total, instance_slots)
 
 
 def _mib(n: int) -> str:

@@ -18,12 +18,17 @@ same ``time.monotonic()``) and the router's dispatch time:
 ``handoff_overhead`` is ``(ready - kv_ready)`` minus the transfer phase: what
 the handoff costs on top of moving the bytes. Only completed requests count.
 
+``instances`` has, for every instance, its side, TP, the completed requests
+it ``served`` and its ``leaked_blocks``; ``pairs`` counts the completed
+requests of each ``"prefill -> decode"`` pair.
+
 ``bytes`` is the KV of the completed requests (whole blocks, every layer and
 head: what crossed between the instances); ``gbps`` is that in gigabits per
 second over the run's wall time (first dispatch to last request settled), so
 with ``--qps`` it follows the arrival rate. ``leaked_blocks`` adds, at the
-end, the prefill endpoint's ``held_blocks``, the decode endpoint's
-``reserved_blocks`` and the blocks either leader's own pool still has out.
+end, over every instance, the prefill endpoints' ``held_blocks``, the decode
+endpoints' ``reserved_blocks`` and the blocks each leader's own pool still
+has out.
 """
 
 from __future__ import annotations
@@ -126,6 +131,7 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
                 samples[key].append(value)
     nbytes = len(ok) * result.plan.blocks_per_request * model.block_bytes
     leaked = sum(s.endpoint_blocks + s.pool_blocks for s in result.stats.values())
+    instances, pairs = _instances(result, ok)
     return {
         "mode": cfg.mode.value,
         "transport": cfg.transport,
@@ -134,6 +140,8 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
         "prompt_tokens": cfg.prompt_tokens,
         "tp_prefill": cfg.tp_prefill,
         "tp_decode": cfg.tp_decode,
+        "prefills": cfg.prefills,
+        "decodes": cfg.decodes,
         "qps": cfg.qps,
         "seed": cfg.seed,
         "requests": cfg.requests,
@@ -148,6 +156,8 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
         "wall_s": round(result.wall, 4),
         "gbps": round(nbytes * 8 / 1e9 / result.wall, 4) if result.wall > 0 else 0.0,
         "leaked_blocks": leaked,
+        "instances": instances,
+        "pairs": pairs,
         "leftover_segments": len(result.leftovers),
         "pool_blocks": result.plan.num_blocks,
         "max_in_flight": result.plan.slots,
@@ -155,6 +165,27 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
         "decode_caller_us_per_request": _caller_us(result),
         "raw_copy_ms_per_request": round(raw_ms, 4),
     }
+
+
+def _instances(
+    result: RunResult, ok: list[Record]
+) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    """Per instance: side, TP, requests served, blocks leaked; per pair: requests."""
+    served = Counter(name for r in ok for name in (r.prefill, r.decode))
+    pairs = Counter(f"{r.prefill} -> {r.decode}" for r in ok)
+    instances: dict[str, dict[str, Any]] = {}
+    for side, members in (("prefill", result.prefills), ("decode", result.decodes)):
+        for name, tp in members.items():
+            st = result.stats.get(name)
+            leaked = st.endpoint_blocks + st.pool_blocks if st is not None else None
+            instances[name] = {
+                "side": side,
+                "tp": tp,
+                "served": served[name],
+                "leaked_blocks": leaked,
+            }
+    every = [f"{p} -> {d}" for p in result.prefills for d in result.decodes]
+    return instances, {pair: pairs[pair] for pair in every}
 
 
 def _caller_us(result: RunResult) -> float | None:
@@ -181,6 +212,11 @@ def problems(summary: dict[str, Any]) -> list[str]:
     ):
         if summary[key]:
             out.append(f"{summary[key]} {what}")
+    leaky = [
+        f"{k} {v['leaked_blocks']}" for k, v in summary["instances"].items() if v["leaked_blocks"]
+    ]
+    if leaky:
+        out.append(f"leaked blocks by instance: {', '.join(leaky)}")
     return out
 
 
@@ -190,11 +226,17 @@ def render(summary: dict[str, Any]) -> Any:
     from rich.table import Table
     from rich.text import Text
 
+    tp = f"TP {summary['tp_prefill']} -> {summary['tp_decode']}"
+    many = summary["prefills"] * summary["decodes"] > 1
+    if many:
+        tp = (
+            f"{summary['prefills']} prefill x TP {summary['tp_prefill']} -> "
+            f"{summary['decodes']} decode x TP {summary['tp_decode']}"
+        )
     title = Text(
         f"kvpush demo: {summary['mode']} over {summary['transport']}, {summary['model']} "
         f"({summary['kv_bytes_per_token'] / 1024:,.0f} KiB of KV per token), "
-        f"TP {summary['tp_prefill']} -> {summary['tp_decode']}, "
-        f"{summary['prompt_tokens']} tokens per request",
+        f"{tp}, {summary['prompt_tokens']} tokens per request",
         style="bold",
     )
     table = Table()
@@ -216,8 +258,20 @@ def render(summary: dict[str, Any]) -> Any:
         ("leaked blocks", str(summary["leaked_blocks"])),
         ("bytes moved", f"{mib:,.1f} MiB"),
         ("throughput", f"{summary['gbps']:.3f} Gbit/s over {summary['wall_s']:.2f} s"),
-        ("in flight at most", f"{summary['max_in_flight']} ({summary['pool_blocks']} blocks/side)"),
+        (
+            "in flight at most",
+            f"{summary['max_in_flight']} ({summary['pool_blocks']} blocks/instance)",
+        ),
     ]
+    if many:
+        for side in ("prefill", "decode"):
+            counts = [
+                f"{name} {i['served']} (leaked {i['leaked_blocks']})"
+                for name, i in summary["instances"].items()
+                if i["side"] == side
+            ]
+            rows.append((f"served by {side}", ", ".join(counts)))
+        rows.append(("served by pair", "\n".join(f"{k} {v}" for k, v in summary["pairs"].items())))
     for k, v in rows:
         totals.add_row(k, v)
     return Group(title, table, totals)

@@ -1,34 +1,31 @@
-"""The router: starts both instances, dispatches requests, collects results.
+"""The router: starts every instance, dispatches requests, collects results.
 
-It runs in the demo's main process, synchronously: every wait is a
-:func:`multiprocessing.connection.wait` over the children's pipes *and* their
-process sentinels, with a timeout, so a child that dies is noticed at once.
-Whatever happens (success, an error, Ctrl-C), :meth:`Router.shutdown` stops
-the leaders, then the ranks (Stop, then SIGTERM, then SIGKILL, each with a
-timeout) and removes any shared-memory name of the run a killed child left.
+It runs in the demo's main process, synchronously, over its children's pipes
+(:class:`~._children.Children`: a child that dies is noticed at once). It
+starts ``--prefills`` prefill and ``--decodes`` decode instances (a leader
+process plus one process per TP rank each), has every decode dial every
+prefill, then sends both legs of each request at once to the pair that
+:class:`~._balance.Balancer` picks: least outstanding on each side, least
+used pair among ties. Whatever happens (success, an error, Ctrl-C),
+:meth:`Router.shutdown` stops and reaps every child and removes any shared
+memory of the run a killed child left.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import random
 import secrets
-import select
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterable
-from contextlib import suppress
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
-from typing import Any, Protocol, TypeVar
+from multiprocessing.connection import Connection
+from typing import Protocol
 
 from kvpush.protocol import Mode, Role
 
+from ._balance import Balancer
+from ._children import Child, Children
 from ._instance import leader_main
 from ._leader import LeaderSpec
 from ._model import MODELS, DemoError, PoolPlan, SideGeometry, plan_pool
@@ -38,30 +35,24 @@ from ._wire import (
     ConsumerResult,
     Dispatch,
     Finish,
-    LeaderError,
     LeaderUp,
     PeerUp,
     ProducerResult,
     RankUp,
     Route,
     Stats,
-    Stop,
 )
 
-__all__ = ("DemoConfig", "Observer", "Record", "Router", "RunResult")
+__all__ = ("MAX_INSTANCES", "DemoConfig", "Instance", "Observer", "Record", "Router", "RunResult")
 
 _STARTUP_TIMEOUT = 60.0
 _HANDSHAKE_TIMEOUT = 15.0
 _STATS_TIMEOUT = 10.0
-_STOP_TIMEOUT = 5.0
-_SEND_TIMEOUT = 5.0
-_KILL_TIMEOUT = 2.0
-_SHM_DIR = "/dev/shm"
-
-T = TypeVar("T")
 
 #: ``--transport`` choices: NIXL (UCX on loopback) or POSIX shared memory.
 TRANSPORTS = ("nixl", "memory")
+#: Instances per side at most (``--prefills``, ``--decodes``).
+MAX_INSTANCES = 8
 
 
 def check_nixl() -> None:
@@ -89,13 +80,17 @@ class DemoConfig:
     prompt_tokens: int = 512
     tp_prefill: int = 1
     tp_decode: int = 1
+    #: Prefill and decode instances (each decode dials every prefill).
+    prefills: int = 1
+    decodes: int = 1
     seed: int = 0
     model: str = "small"
     compute_us_per_token: float = 20.0
     max_memory_mib: int = 512
     #: Abort when no request settles for this many seconds.
     timeout: float = 60.0
-    #: Decode leader's metrics port (the prefill leader's is the next one).
+    #: The first decode leader's metrics port; the other decodes', then the
+    #: prefills', follow it (1P1D: decode on the port, prefill on the next).
     metrics_port: int | None = None
 
 
@@ -113,6 +108,9 @@ class Record:
 
     transfer_id: str
     dispatched: float
+    #: The instances that served it.
+    prefill: str = ""
+    decode: str = ""
     producer: ProducerResult | None = None
     consumer: ConsumerResult | None = None
 
@@ -123,28 +121,38 @@ class RunResult:
 
     plan: PoolPlan
     records: list[Record]
+    #: Each instance's closing stats, by name.
     stats: dict[str, Stats]
     wall: float
     #: Shared-memory names of the run found (and removed) after every child stopped.
     leftovers: list[str] = field(default_factory=list)
+    #: The instances of each side, name -> TP, in order.
+    prefills: dict[str, int] = field(default_factory=dict)
+    decodes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False, slots=True)
-class _Child:
-    label: str
-    process: BaseProcess
-    conn: Connection
-    leader: bool
-    open: bool = True
+class Instance:
+    """One prefill or decode instance: its leader and its rank processes."""
+
+    name: str
+    role: Role
+    #: Position among the instances of its side (the balancer's index).
+    index: int
+    geometry: SideGeometry
+    segments: tuple[str, ...]
+    ranks: list[Child] = field(default_factory=list)
+    leader: Child | None = None
+
+    def lead(self) -> Child:
+        if self.leader is None:
+            raise DemoError(f"{self.name} has no leader yet")
+        return self.leader
 
 
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        with suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
+def instance_names(side: str, n: int) -> list[str]:
+    """``side`` alone for one instance, ``side-0`` ... ``side-(n-1)`` for more."""
+    return [side] if n == 1 else [f"{side}-{i}" for i in range(n)]
 
 
 class Router:
@@ -157,6 +165,9 @@ class Router:
             check_nixl()
         if cfg.model not in MODELS:
             raise DemoError(f"unknown model {cfg.model!r}; choose from {', '.join(MODELS)}")
+        for what, n in (("--prefills", cfg.prefills), ("--decodes", cfg.decodes)):
+            if not 1 <= n <= MAX_INSTANCES:
+                raise DemoError(f"{what} must be between 1 and {MAX_INSTANCES}, got {n}")
         if cfg.qps < 0 or not math.isfinite(cfg.qps):
             raise DemoError("--qps must be a finite number >= 0 (0: as fast as blocks allow)")
         if cfg.compute_us_per_token < 0 or not math.isfinite(cfg.compute_us_per_token):
@@ -166,190 +177,162 @@ class Router:
         self.cfg = cfg
         self.observer = observer
         self.model = MODELS[cfg.model]
-        self.plan = plan_pool(self.model, cfg.prompt_tokens, cfg.requests, cfg.max_memory_mib << 20)
+        self.plan = plan_pool(
+            self.model,
+            cfg.prompt_tokens,
+            cfg.requests,
+            cfg.max_memory_mib << 20,
+            cfg.prefills,
+            cfg.decodes,
+        )
         self.geometry = {
             Role.PRODUCER: SideGeometry(self.model, cfg.tp_prefill, self.plan.num_blocks),
             Role.CONSUMER: SideGeometry(self.model, cfg.tp_decode, self.plan.num_blocks),
         }
         self.prefix = "kvpd" + secrets.token_hex(4)
         self.secret = secrets.token_bytes(32)
-        self._ctx = multiprocessing.get_context("spawn")
-        self._children: list[_Child] = []
-        self._leaders: dict[Role, _Child] = {}
-        self._stopped = False
+        self.children = Children(self.prefix)
+        self.prefills = self._instances(Role.PRODUCER, cfg.prefills)
+        self.decodes = self._instances(Role.CONSUMER, cfg.decodes)
 
-    # --- children ------------------------------------------------------------------
+    def _instances(self, role: Role, n: int) -> list[Instance]:
+        side = "prefill" if role is Role.PRODUCER else "decode"
+        geo = self.geometry[role]
+        return [
+            Instance(
+                name, role, i, geo, tuple(f"{self.prefix}-{side[0]}{i}-{r}" for r in range(geo.tp))
+            )
+            for i, name in enumerate(instance_names(side, n))
+        ]
 
-    def _start(self, label: str, target: Callable[..., None], args: tuple[Any, ...]) -> _Child:
-        parent, child = self._ctx.Pipe()
-        name = "kvpush-demo-" + label.replace(" ", "-")
-        process = self._ctx.Process(target=target, args=(*args, child), name=name, daemon=True)
-        # Born ignoring SIGINT (a terminal's Ctrl-C reaches the whole process
-        # group; the router alone handles it), also while it imports.
-        main = threading.current_thread() is threading.main_thread()
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        try:
-            process.start()
-        finally:
-            if old is not None:
-                signal.signal(signal.SIGINT, old)
-        child.close()  # so that the child's death closes the pipe for us
-        c = _Child(label, process, parent, leader=target is leader_main)
-        self._children.append(c)
-        return c
-
-    def _poll(self, timeout: float) -> list[tuple[_Child, object]]:
-        """Messages that arrived within ``timeout``; :class:`DemoError` if a child
-        reported an error or exited."""
-        waitables: list[Any] = [c.conn for c in self._children if c.open]
-        waitables += [c.process.sentinel for c in self._children]
-        ready = set(wait(waitables, max(0.0, timeout)))
-        out: list[tuple[_Child, object]] = []
-        for c in self._children:
-            if c.open and (c.conn in ready or c.process.sentinel in ready):
-                out += [(c, m) for m in self._drain(c)]
-        for c, m in out:
-            if isinstance(m, LeaderError):
-                raise DemoError(f"{m.text} (pid {c.process.pid})")
-        for c in self._children:
-            if c.process.sentinel in ready:
-                c.process.join(0.1)
-                raise DemoError(
-                    f"{c.label} (pid {c.process.pid}) exited unexpectedly "
-                    f"({_exit_text(c.process.exitcode)}); stopping the demo"
-                )
-        return out
-
-    def _send(self, c: _Child, msg: object, timeout: float = _SEND_TIMEOUT) -> None:
-        """Send unless the child stopped reading (a full pipe would block us)."""
-        _, writable, _ = select.select([], [c.conn.fileno()], [], timeout)
-        if not writable:
-            raise DemoError(f"{c.label} (pid {c.process.pid}) stopped reading its pipe")
-        c.conn.send(msg)
-
-    def _drain(self, c: _Child) -> list[object]:
-        msgs: list[object] = []
-        try:
-            while c.conn.poll():
-                msgs.append(c.conn.recv())
-        except (EOFError, OSError):
-            c.open = False
-        return msgs
-
-    def _gather(
-        self, children: Iterable[_Child], kind: type[T], what: str, timeout: float
-    ) -> dict[_Child, T]:
-        """One ``kind`` message from each of ``children``, within ``timeout``."""
-        want = set(children)
-        got: dict[_Child, T] = {}
-        deadline = time.monotonic() + timeout
-        while want - got.keys():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                late = ", ".join(sorted(c.label for c in want - got.keys()))
-                raise DemoError(f"timed out after {timeout:.0f} s waiting for {what} ({late})")
-            for c, m in self._poll(left):
-                if c in want and isinstance(m, kind):
-                    got[c] = m
-        return got
+    def _metrics_port(self, inst: Instance) -> int | None:
+        """Decodes on PORT, PORT+1, ...; then the prefills."""
+        base = self.cfg.metrics_port
+        if base is None:
+            return None
+        return base + inst.index + (len(self.decodes) if inst.role is Role.PRODUCER else 0)
 
     # --- the run -------------------------------------------------------------------------
 
     def run(self) -> RunResult:
         """Start everything, push every request through, collect the numbers."""
-        cfg = self.cfg
-        ranks: list[_Child] = []
-        leader_ends: dict[Role, list[Connection]] = {}
-        segments: dict[Role, list[str]] = {}
-        for role, side in ((Role.PRODUCER, "prefill"), (Role.CONSUMER, "decode")):
-            geo = self.geometry[role]
-            segments[role] = [f"{self.prefix}-{side[0]}{r}" for r in range(geo.tp)]
-            leader_ends[role] = []
-            for r, segment in enumerate(segments[role]):
-                lead, work = self._ctx.Pipe()
-                spec = RankSpec(f"{side}-owner{r}", segment, geo, r)
-                ranks.append(self._start(f"{side} rank {r}", rank_main, (spec, work)))
+        cfg, children = self.cfg, self.children
+        instances = [*self.prefills, *self.decodes]
+        leader_ends: dict[Instance, list[Connection]] = {}
+        for inst in instances:
+            leader_ends[inst] = []
+            for r, segment in enumerate(inst.segments):
+                lead, work = children.ctx.Pipe()
+                spec = RankSpec(f"{inst.name}-owner{r}", segment, inst.geometry, r)
+                label = f"{inst.name} rank {r}"
+                inst.ranks.append(children.start(label, rank_main, (spec, work), leader=False))
                 work.close()
-                leader_ends[role].append(lead)
-        self._gather(ranks, RankUp, "the rank processes", _STARTUP_TIMEOUT)
-        for role, name, peer in (
-            (Role.PRODUCER, "prefill", "decode"),
-            (Role.CONSUMER, "decode", "prefill"),
-        ):
+                leader_ends[inst].append(lead)
+        ranks = [c for inst in instances for c in inst.ranks]
+        children.gather(ranks, RankUp, "the rank processes", _STARTUP_TIMEOUT)
+        for inst in instances:
             spec_ = LeaderSpec(
-                role,
-                name,
-                peer,
-                self.geometry[role],
-                tuple(segments[role]),
+                inst.role,
+                inst.name,
+                inst.geometry,
+                inst.segments,
                 self.secret,
                 cfg.mode,
                 cfg.compute_us_per_token,
                 cfg.seed,
                 rank_timeout=cfg.timeout,
-                metrics_port=None
-                if cfg.metrics_port is None
-                else cfg.metrics_port + (role is Role.PRODUCER),
+                metrics_port=self._metrics_port(inst),
                 transport=cfg.transport,
             )
-            args = (spec_, leader_ends[role])
-            self._leaders[role] = self._start(f"{name} leader", leader_main, args)
-            for lead in leader_ends[role]:
+            args = (spec_, leader_ends[inst])
+            inst.leader = children.start(f"{inst.name} leader", leader_main, args, leader=True)
+            for lead in leader_ends[inst]:
                 lead.close()
-        prefill, decode = self._leaders[Role.PRODUCER], self._leaders[Role.CONSUMER]
-        ups = self._gather(self._leaders.values(), LeaderUp, "the leaders", _STARTUP_TIMEOUT)
-        self._send(decode, Route("127.0.0.1", ups[prefill].port))
-        self._gather([decode], PeerUp, "the handshake", _HANDSHAKE_TIMEOUT)
-        self.observer.started(self._describe(ranks))
-        records, wall = self._dispatch_all(prefill, decode)
-        for c in self._leaders.values():
-            self._send(c, Finish())
-        stats = self._gather(self._leaders.values(), Stats, "closing stats", _STATS_TIMEOUT)
-        by_role = {"prefill": stats[prefill], "decode": stats[decode]}
-        return RunResult(self.plan, records, by_role, wall)
-
-    def _describe(self, ranks: list[_Child]) -> str:
-        def pids(side: str) -> str:
-            return ",".join(str(c.process.pid) for c in ranks if c.label.startswith(side))
-
-        p, d = self._leaders[Role.PRODUCER], self._leaders[Role.CONSUMER]
-        return (
-            f"run {self.prefix}: router pid {os.getpid()}, prefill leader pid {p.process.pid} "
-            f"(ranks {pids('prefill')}), decode leader pid {d.process.pid} "
-            f"(ranks {pids('decode')})"
+        leaders = [inst.lead() for inst in instances]
+        ups = children.gather(leaders, LeaderUp, "the leaders", _STARTUP_TIMEOUT)
+        for d in self.decodes:
+            for p in self.prefills:
+                children.send(d.lead(), Route(p.name, "127.0.0.1", ups[p.lead()].port))
+        self._handshakes()
+        self.observer.started(self._describe())
+        records, wall = self._dispatch_all()
+        for c in leaders:
+            children.send(c, Finish())
+        stats = children.gather(leaders, Stats, "closing stats", _STATS_TIMEOUT)
+        by_name = {inst.name: stats[inst.lead()] for inst in instances}
+        return RunResult(
+            self.plan,
+            records,
+            by_name,
+            wall,
+            prefills={p.name: p.geometry.tp for p in self.prefills},
+            decodes={d.name: d.geometry.tp for d in self.decodes},
         )
 
-    def _dispatch_all(self, prefill: _Child, decode: _Child) -> tuple[list[Record], float]:
-        cfg = self.cfg
+    def _handshakes(self) -> None:
+        """Wait until every decode completed its handshake with every prefill."""
+        want = {(d.lead(), p.name) for d in self.decodes for p in self.prefills}
+        deadline = time.monotonic() + _HANDSHAKE_TIMEOUT
+        while want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = ", ".join(sorted(f"{c.label} with {p}" for c, p in want))
+                raise DemoError(
+                    f"timed out after {_HANDSHAKE_TIMEOUT:.0f} s waiting for the handshakes "
+                    f"({late})"
+                )
+            for c, m in self.children.poll(left):
+                if isinstance(m, PeerUp):
+                    want.discard((c, m.peer))
+
+    def _describe(self) -> str:
+        parts = [f"run {self.prefix}: router pid {os.getpid()}"]
+        for inst in [*self.prefills, *self.decodes]:
+            ranks = ",".join(str(c.process.pid) for c in inst.ranks)
+            parts.append(f"{inst.name} leader pid {inst.lead().process.pid} (ranks {ranks})")
+        return ", ".join(parts)
+
+    def _dispatch_all(self) -> tuple[list[Record], float]:
+        cfg, children = self.cfg, self.children
         rng = random.Random(cfg.seed)
+        balancer = Balancer(len(self.prefills), len(self.decodes), self.plan.instance_slots)
         records: dict[str, Record] = {}
-        free, issued, settled = self.plan.slots, 0, 0
+        pairs: dict[str, tuple[Instance, Instance]] = {}
+        issued, settled, in_flight = 0, 0, 0
         start = next_at = last_progress = time.monotonic()
         while settled < cfg.requests:
-            now = time.monotonic()
-            while issued < cfg.requests and free > 0 and now >= next_at:
+            now, full = time.monotonic(), False
+            while issued < cfg.requests and in_flight < self.plan.slots and now >= next_at:
+                pick = balancer.pick()
+                if pick is None:  # an instance's pool is full
+                    full = True
+                    break
+                p, d = self.prefills[pick[0]], self.decodes[pick[1]]
                 tid = f"req-{issued:06d}"
-                records[tid] = Record(tid, time.monotonic())
-                leg = Dispatch(tid, cfg.prompt_tokens)
-                self._send(decode, leg)  # both legs at once: reserve + register ...
-                self._send(prefill, leg)  # ... while the prefill computes
-                free, issued, last_progress = free - 1, issued + 1, now
+                records[tid] = Record(tid, time.monotonic(), p.name, d.name)
+                pairs[tid] = (p, d)
+                children.send(d.lead(), Dispatch(tid, cfg.prompt_tokens, p.name))  # both legs
+                children.send(p.lead(), Dispatch(tid, cfg.prompt_tokens))  # at once
+                issued, in_flight, last_progress = issued + 1, in_flight + 1, now
                 next_at += rng.expovariate(cfg.qps) if cfg.qps > 0 else 0.0
-            wake = next_at - now if issued < cfg.requests and free > 0 else 0.25
-            for _, m in self._poll(min(max(wake, 0.0), 0.25)):
+            room = issued < cfg.requests and in_flight < self.plan.slots and not full
+            wake = next_at - now if room else 0.25
+            for _, m in children.poll(min(max(wake, 0.0), 0.25)):
                 if not isinstance(m, (ProducerResult, ConsumerResult)):
                     continue
                 rec = records.get(m.transfer_id)
                 if rec is None:
                     continue
+                p, d = pairs[m.transfer_id]
                 if isinstance(m, ProducerResult):
                     rec.producer = m
                 else:
                     rec.consumer = m
                     if not m.ok and rec.producer is None:
-                        self._send(prefill, Abort(m.transfer_id))
+                        children.send(p.lead(), Abort(m.transfer_id))
                 if rec.producer is not None and rec.consumer is not None:
-                    free, settled = free + 1, settled + 1
+                    balancer.settled(p.index, d.index)
+                    settled, in_flight = settled + 1, in_flight - 1
                     last_progress = time.monotonic()
                     self.observer.settled(rec.consumer.ok and not rec.consumer.corrupt_blocks)
             if time.monotonic() - last_progress > cfg.timeout:
@@ -359,61 +342,7 @@ class Router:
                 )
         return list(records.values()), time.monotonic() - start
 
-    # --- shutdown ------------------------------------------------------------------------
-
     def shutdown(self) -> list[str]:
         """Stop every child (leaders first), whatever state they are in, and
         remove the run's leftover shared memory; returns the names removed."""
-        if self._stopped:
-            return []
-        self._stopped = True
-        main = threading.current_thread() is threading.main_thread()
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        try:
-            leaders = [c for c in self._children if c.leader]
-            ranks = [c for c in self._children if not c.leader]
-            for group in (leaders, ranks):
-                self._stop(group)
-            for c in self._children:
-                c.conn.close()
-            return sweep(self.prefix)
-        finally:
-            if old is not None:
-                signal.signal(signal.SIGINT, old)
-
-    def _stop(self, group: list[_Child]) -> None:
-        for c in group:
-            if c.process.is_alive():
-                with suppress(OSError, ValueError, DemoError):
-                    self._send(c, Stop(), timeout=0.0)
-        _join(group, _STOP_TIMEOUT)
-        for c in group:
-            if c.process.is_alive():
-                c.process.terminate()
-        _join(group, _KILL_TIMEOUT)
-        for c in group:
-            if c.process.is_alive():
-                c.process.kill()
-        _join(group, _KILL_TIMEOUT)
-
-
-def _join(group: list[_Child], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for c in group:
-        c.process.join(max(0.0, deadline - time.monotonic()))
-
-
-def sweep(prefix: str) -> list[str]:
-    """Unlink every shared-memory name starting with ``prefix`` (what a killed
-    child could not remove), and drop it from the resource tracker that its
-    creator registered it with (every child shares the router's tracker)."""
-    try:
-        names = sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix))
-    except OSError:
-        return []
-    for name in names:
-        with suppress(FileNotFoundError):
-            os.unlink(os.path.join(_SHM_DIR, name))
-        with suppress(Exception):
-            resource_tracker.unregister("/" + name, "shared_memory")
-    return names
+        return self.children.shutdown()

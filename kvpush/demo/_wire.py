@@ -37,6 +37,8 @@ class Dispatch:
 
     transfer_id: str
     tokens: int
+    #: Decode: the prefill instance (engine id) that computes this request.
+    peer: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +50,9 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Decode: where the prefill leader's control channel listens."""
+    """Decode: where prefill instance ``peer``'s control channel listens (dial it)."""
 
+    peer: str
     host: str
     port: int
 
@@ -111,7 +114,9 @@ class LeaderUp:
 
 @dataclass(frozen=True, slots=True)
 class PeerUp:
-    """Decode: the handshake with the prefill completed."""
+    """Decode: the handshake with prefill instance ``peer`` completed."""
+
+    peer: str
 
 
 @dataclass(frozen=True, slots=True)
