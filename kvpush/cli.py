@@ -23,11 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo = commands.add_parser(
         "demo",
-        help="run a prefill and a decode instance on loopback and hand off KV between them",
-        description="Start a router, a prefill instance and a decode instance (a leader "
-        "process plus one process per TP rank each) on this machine, hand off the KV of "
-        "--requests requests over shared memory, check every block, and report the phase "
-        "timeline.",
+        help="run prefill and decode instances on loopback and hand off KV between them",
+        description="Start a router and prefill and decode instances (one of each unless "
+        "--prefills/--decodes/--preset say otherwise; a leader process plus one process per "
+        "TP rank each) on this machine, hand off the KV of --requests requests over NIXL or "
+        "shared memory, check every block, and report the phase timeline.",
     )
     add_arguments(demo)
     router = commands.add_parser(
