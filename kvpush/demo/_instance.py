@@ -167,7 +167,7 @@ class DecodeLeader(Leader):
         tid = d.transfer_id
         blocks = self.pool.take(self.blocks_for(d.tokens))
         if blocks is None or self.runtime is None:
-            self.send(ConsumerResult(tid, False, "decode: no free blocks", 0, None, None, None))
+            self.send(ConsumerResult(tid, False, "no free blocks", 0, None, None, None))
             return
         started = time.perf_counter()
         result = self.runtime.reserve(tid, d.peer, [blocks], mode=self.spec.mode)
