@@ -12,7 +12,12 @@ Every round checks that the channels counted exactly what they had to.
 
 Prints one JSON object: frames sent by connection kind, frames counted as
 garbage, handshakes refused, connections dropped for framing errors, crashes
-(must be 0), transfers completed and failed, and wall time.
+(must be 0), transfers completed and failed, and wall time. Everything runs in
+one event loop: on a loaded machine it can stall past the pumps' limits, and
+then frames between the pair are dropped as they must be (by a StallWatch, or
+as too old in a channel's queue) and their transfers fail by their deadlines.
+Those are counted apart (``stalls``, ``transfers_that_lost_a_frame``, the
+frames dropped): a transfer that failed without losing a frame so is a crash.
 
     python benchmarks/fuzz_frames.py --frames 1000000 [--seconds 600] [--seed 1]
 """
@@ -53,6 +58,7 @@ def main() -> int:
     totals: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     crashes = rounds = 0
+    stalls: Counter[str] = Counter()
     while True:
         elapsed = time.monotonic() - started
         frames = sum(kinds.values())
@@ -86,6 +92,10 @@ def main() -> int:
             totals["dropped"] += tally.dropped
         totals["connections"] += result.report.connections
         outcomes.update(result.outcomes.values())
+        stalls["stalls"] += result.stalls
+        stalls["frames_dropped_by_stall_watch"] += result.watch_dropped
+        stalls["frames_dropped_as_too_old"] += result.dropped_old
+        stalls["transfers_that_lost_a_frame"] += len(result.lost_frames)
         if any(e is not None for e in result.dataplane_errors):
             crashes += 1
             break
@@ -105,12 +115,15 @@ def main() -> int:
                 "rounds": rounds,
                 "transfers_completed": completed,
                 "transfers_failed": sum(outcomes.values()) - completed,
+                "failures_by_outcome": {o: n for o, n in outcomes.items() if o != DELIVERED},
+                **stalls,
                 "wall_s": round(time.monotonic() - started, 1),
             },
             indent=1,
         )
     )
-    return 1 if crashes or sum(outcomes.values()) != completed else 0
+    # run_fuzz checked that every failed transfer lost a frame to a stall.
+    return 1 if crashes else 0
 
 
 if __name__ == "__main__":
