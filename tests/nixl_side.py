@@ -339,8 +339,10 @@ class Side:
             held = getattr(ep, "held_blocks", 0)
             reserved = getattr(ep, "reserved_blocks", 0)
             dp = runtime.dataplane
-            stalls, chaos = runtime.watch.stalls, (self.chaos.duplicated, self.chaos.reordered)
-            return ("counts", reserved, held, dp.posted, dp.posted_prepped, stalls, chaos)
+            # Seconds since this process last noticed it had stalled (inf: never).
+            quiet = time.monotonic() - runtime.watch.gap_ended
+            chaos = (self.chaos.duplicated, self.chaos.reordered)
+            return ("counts", reserved, held, dp.posted, dp.posted_prepped, quiet, chaos)
         raise ValueError(f"unknown command {kind!r}")
 
     async def _wait(self, kinds: tuple[str, ...], tid: str, timeout: float, nth: int = 1) -> Any:

@@ -161,7 +161,8 @@ class StallWatch:
         self.limit = limit
         self._clock = clock
         self.beat = clock()
-        self._gap_ended = -math.inf
+        #: When the last stall was noticed (``-inf``: never).
+        self.gap_ended = -math.inf
         self.stalls = 0
         self.dropped = 0
 
@@ -174,14 +175,14 @@ class StallWatch:
         now = self._clock()
         if now - self.beat > self.limit:
             self.stalls += 1
-            self._gap_ended = now
+            self.gap_ended = now
             gap = now - self.beat
             log.warning("this process did not run for %.3f s (stall limit %g s)", gap, self.limit)
         self.beat = now
 
     def suspect(self, now: float) -> bool:
         """Whether a frame handled at ``now`` may have waited through a stall."""
-        return now - self.beat > self.limit or now - self._gap_ended <= self.limit
+        return now - self.beat > self.limit or now - self.gap_ended <= self.limit
 
 
 class EndpointRuntime(Generic[E]):
