@@ -761,8 +761,8 @@ async def test_a_registration_dropped_in_a_stall_is_told_apart(
 ) -> None:
     """Regression (the long run's one crash): the shared event loop missed more
     than the stall limit on a loaded machine, the producer's StallWatch dropped
-    a lane's Register ("dropped Register from decode: this process was
-    stalled"), and the lane waited for a registration that never came. Now the
+    a lane's Register ("dropped Register of <id> epoch <e> from decode: this
+    process was stalled"), and the lane waited for a registration that never came. Now the
     harness sees the drop and the transfer end by its deadline."""
     caplog.set_level(logging.WARNING, logger="kvpush.runtime")
     rng = random.Random(6)
@@ -788,7 +788,8 @@ async def test_a_registration_dropped_in_a_stall_is_told_apart(
         assert list(pair.outcomes.values()) == [DELIVERED, STALLED, DELIVERED]
         assert pair.producer.watch.dropped == tap.stall_dropped == 1
         assert tap.dropped == Counter(stalled)
-        assert any("dropped Register from decode" in r.getMessage() for r in caplog.records)
+        said = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith(f"dropped Register of {stalled[0]} epoch ") for m in said)
 
 
 async def test_with_a_secret_nobody_without_it_can_displace_a_live_peer() -> None:

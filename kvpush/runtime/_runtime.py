@@ -325,9 +325,11 @@ class EndpointRuntime(Generic[E]):
                 if isinstance(ev.message, (Register, Announce)) and self.watch.suspect(now):
                     self.watch.dropped += 1
                     log.warning(
-                        "dropped %s from %s: this process was stalled, the frame may be "
-                        "older than its lease (max_transit)",
+                        "dropped %s of %s epoch %d from %s: this process was stalled, the "
+                        "frame may be older than its lease (max_transit)",
                         type(ev.message).__name__,
+                        ev.message.transfer_id,
+                        ev.message.epoch,
                         ev.peer,
                     )
                     continue
