@@ -178,18 +178,20 @@ class SchedulerSide:
         host, port = params.peer_address()
         mode = params.mode
         sync, channel = self._running()
-        sync.call(channel.add_route, params.peer, host, port)
         rt = sync.runtime
-        result, events = sync.call(
-            lambda: rt.reserve(
-                params.transfer_id,
-                params.peer,
-                [blocks],
-                mode=mode,
-                skip_tokens=skip_tokens * self._scale,
-            )
-        )
+        # Under the lock from the call to the bookkeeping: a step() on another
+        # thread cannot see this transfer's events before it is known.
         with self._lock:
+            sync.call(channel.add_route, params.peer, host, port)
+            result = sync.call(
+                lambda: rt.reserve(
+                    params.transfer_id,
+                    params.peer,
+                    [blocks],
+                    mode=mode,
+                    skip_tokens=skip_tokens * self._scale,
+                )
+            )
             if isinstance(result, Refused):
                 # Nothing was registered, nothing can land: fail it now.
                 self._done.add(req_id)
@@ -200,7 +202,6 @@ class SchedulerSide:
                 key = (params.transfer_id, result.epoch)
                 self._by_key[key] = _Transfer(req_id, list(blocks), "loading")
                 self._key_of[req_id] = key
-        self._absorb(events)
 
     def preempted(self, req_id: str) -> None:
         """vLLM preempted ``req_id``: withdraw a load in flight (the core drains
@@ -214,8 +215,7 @@ class SchedulerSide:
             del self._key_of[req_id]
         sync, _ = self._running()
         rt = sync.runtime
-        _, events = sync.call(lambda: rt.preempt(key[0]))
-        self._absorb(events)
+        sync.call(rt.preempt, key[0])
 
     def finished_decode(self, req_id: str) -> bool:
         """vLLM finished the request; True if its blocks must wait (a load in flight)."""
@@ -229,9 +229,7 @@ class SchedulerSide:
             if was != "loading":
                 return True  # failed: its blocks wait for Released
         sync, _ = self._running()
-        rt = sync.runtime
-        _, events = sync.call(lambda: rt.abort(key[0]))
-        self._absorb(events)
+        sync.call(sync.runtime.abort, key[0])
         return True
 
     # --- prefill -----------------------------------------------------------------
@@ -245,18 +243,14 @@ class SchedulerSide:
             self._by_key[key] = _Transfer(req_id, list(blocks), "sending")
             self._key_of[req_id] = key
         sync, _ = self._running()
-        rt = sync.runtime
-        _, events = sync.call(lambda: rt.kv_ready(params.transfer_id, [blocks]))
-        self._absorb(events)
+        sync.call(sync.runtime.kv_ready, params.transfer_id, [blocks])
         return True
 
     def abandon(self, params: TransferParams) -> None:
         """The prefill request ended without its KV (aborted): tell the decode
         now, if it registered already, rather than at its deadline."""
         sync, _ = self._running()
-        rt = sync.runtime
-        _, events = sync.call(lambda: rt.abort(params.transfer_id))
-        self._absorb(events)
+        sync.call(sync.runtime.abort, params.transfer_id)
 
     def pending_push_work(self) -> bool:
         with self._lock:
@@ -265,10 +259,12 @@ class SchedulerSide:
     # --- every step ----------------------------------------------------------------
 
     def step(self) -> tuple[Outbound, Reports]:
-        """Drain protocol events; what goes to the workers this step."""
-        if self._sync is not None:
-            self._absorb(self._sync.events())
+        """Drain protocol events (this is their only drain); what goes to the
+        workers this step."""
         with self._lock:
+            if self._sync is not None:
+                for ev in self._sync.events():
+                    self._event(ev)
             reports, self._reports = self._reports, Reports()
         return self.bridge.take(), reports
 
@@ -283,11 +279,6 @@ class SchedulerSide:
             raise RuntimeError("kvpush: the workers have not registered their KV caches yet")
         return self._sync, self._channel
 
-    def _absorb(self, events: list[Event]) -> None:
-        with self._lock:
-            for ev in events:
-                self._event(ev)
-
     def _event(self, ev: Event) -> None:
         if isinstance(ev, PeerFailed):
             log.error("kvpush: handshake with %s failed: %s: %s", ev.peer, ev.field, ev.detail)
@@ -297,6 +288,9 @@ class SchedulerSide:
         key = (ev.transfer_id, 0 if isinstance(ev, SourceReleased) else ev.epoch)
         tr = self._by_key.get(key)
         if tr is None:
+            # Every transfer is booked before its input reaches the core, so
+            # this is one whose request vLLM has forgotten (e.g. abandoned).
+            log.debug("kvpush: %s for an unknown transfer", type(ev).__name__)
             return
         r = self._reports
         if isinstance(ev, Ready):

@@ -2,9 +2,14 @@
 and workers are synchronous).
 
 The runtime's event loop runs in a background thread (anyio's blocking
-portal). Every method is thread-safe: it hops onto the loop, feeds one input,
-drains what that produced and returns. None of them waits for I/O: sends are
-queued on the channel and transfers on the data plane.
+portal). Every method is thread-safe: it hops onto the loop, feeds one input
+and returns. None of them waits for I/O: sends are queued on the channel and
+transfers on the data plane.
+
+Events have one sink: the runtime's queue, which only :meth:`SyncRuntime.events`
+and :meth:`SyncRuntime.wait_events` drain, for the one owner that acts on them.
+No call hands back events as a by-product, so no caller can drop another
+transfer's event by ignoring a return value.
 """
 
 from __future__ import annotations
@@ -70,21 +75,20 @@ class SyncRuntime(Generic[R]):
                 await self._stop.wait()
                 tg.cancel_scope.cancel()
 
-    def call(self, fn: Callable[..., T], *args: Any) -> tuple[T, list[Event]]:
-        """Run ``fn(*args)`` on the loop (e.g. ``runtime.reserve``); return its
-        result and every event drained so far."""
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the loop (e.g. ``runtime.reserve``) and return
+        its result. Events it causes wait in the queue for :meth:`events`."""
         if self._closed:
             raise KvpushError("the runtime is closed")
-        out: tuple[T, list[Event]] = self._portal.call(self._call, fn, args)
-        return out
+        result: T = self._portal.call(self._call, fn, args)
+        return result
 
-    async def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> tuple[T, list[Event]]:
-        result = fn(*args)
-        return result, self.runtime.events_nowait()
+    async def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        return fn(*args)
 
     def events(self) -> list[Event]:
-        """Every event so far (non-blocking)."""
-        return self.call(lambda: None)[1]
+        """Every event so far, oldest first, and forget them (non-blocking)."""
+        return self.call(self.runtime.events_nowait)
 
     def wait_events(self, timeout: float) -> list[Event]:
         """Block up to ``timeout`` seconds for at least one event."""

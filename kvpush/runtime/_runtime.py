@@ -33,8 +33,10 @@ from kvpush.protocol import (
     Mode,
     PeerReady,
     Producer,
+    Refused,
     Register,
     RemoteProtocolError,
+    Reserved,
     Send,
     StartRead,
     StartWrite,
@@ -421,7 +423,7 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
         *,
         mode: Mode = Mode.PUSH,
         skip_tokens: int = 0,
-    ) -> object:
+    ) -> Reserved | Refused:
         result = self.endpoint.reserve(
             self.now(), transfer_id, peer, blocks, mode=mode, skip_tokens=skip_tokens
         )
