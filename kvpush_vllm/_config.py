@@ -14,6 +14,8 @@ from typing import Any
 
 from kvpush.protocol import ConfigError, Mode, Timing
 
+from ._proven import FIELDS
+
 __all__ = ("ConnectorConfig",)
 
 
@@ -38,6 +40,8 @@ class ConnectorConfig:
     #: NIXL: backends (LIBFABRIC on EFA) and their init parameters.
     backends: tuple[str, ...] = ("UCX",)
     backend_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Fields of ``_proven.PROVEN`` to run outside what make e2e proves (warned).
+    allow_unproven: frozenset[str] = frozenset()
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -46,6 +50,7 @@ class ConnectorConfig:
         known = {
             "host", "port", "engine_id", "secret", "mode", "ready_timeout",
             "kv_hold_timeout", "max_transit", "op_bound", "backends", "backend_params",
+            "allow_unproven",
         }  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -83,6 +88,12 @@ class ConnectorConfig:
         params = raw.get("backend_params", {})
         if not isinstance(params, Mapping):
             raise ConfigError("backend_params must map backend name -> {param: value}")
+        allow = raw.get("allow_unproven", [])
+        if isinstance(allow, str) or not isinstance(allow, (list, tuple)):
+            raise ConfigError(f"allow_unproven must be a list of field names, got {allow!r}")
+        odd = sorted(set(allow) - FIELDS)
+        if odd:
+            raise ConfigError(f"allow_unproven: unknown field(s) {odd}; known: {sorted(FIELDS)}")
         engine_id = raw.get("engine_id", "")
         if not isinstance(engine_id, str):
             raise ConfigError(f"engine_id must be a str, got {engine_id!r}")
@@ -99,4 +110,5 @@ class ConnectorConfig:
             timing=Timing(times["max_transit"], times["op_bound"]),
             backends=tuple(backends),
             backend_params=params,
+            allow_unproven=frozenset(allow),
         )

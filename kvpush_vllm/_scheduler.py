@@ -118,8 +118,11 @@ class SchedulerSide:
 
     # --- set-up ------------------------------------------------------------------
 
-    def start(self, rank_blobs: Mapping[int, bytes]) -> None:
-        """Build the endpoint once every worker rank described itself."""
+    def start(
+        self, rank_blobs: Mapping[int, bytes], fingerprint: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        """Build the endpoint once every worker rank described itself
+        (``fingerprint``: entries the peer's must equal, ``_proven.handshake_fingerprint``)."""
         if self._sync is not None:
             return
         if sorted(rank_blobs) != list(range(self.tp)):
@@ -135,6 +138,7 @@ class SchedulerSide:
             secrets.randbits(63),
             tp=self.tp,
             num_kv_heads=self.num_kv_heads,
+            fingerprint=fingerprint,
             layout=layout,
             ranks=blobs,
         )

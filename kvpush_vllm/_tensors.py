@@ -6,12 +6,21 @@
 FlashAttention and CPU) or ``(num_blocks, 2, ...)`` (interleaved), and their
 *physical* order on the stride order the backend asked for (NHD or HND inside
 a block). vLLM 0.33's CPU backend (layout ``LBHNC``) hands 4-D tensors,
-``(num_blocks, num_kv_heads, block_size, 2 * head_size)``, whose every
-(block, head) tile holds the head's ``block_size`` K rows and then its
-``block_size`` V rows (``head_size`` values each): that is one region of kind
-``"KV"`` in HND order with ``2 * block_size`` rows per block, *virtual tokens*
-(:func:`token_scale` is 2; prefix lengths given to the core are scaled
-alike, so both sides count the same units).
+``(num_blocks, num_kv_heads, block_size, 2 * head_size)``. Its kernels view
+every (block, head) tile as ``block_size`` K rows then ``block_size`` V rows
+of ``head_size`` values, but only V is stored token by token: with the
+``vec`` / ``vec16`` ISAs the K half is *channel-major* (value ``c`` of token
+``t`` at ``c * block_size + t``), and the AMX ISA packs both halves again
+(``tests/e2e/test_cpu_tile.py`` checks this against the kernel). So a tile is
+described as what it is byte for byte, one region of kind ``"KV"`` in HND
+order with ``2 * block_size`` rows per block (*virtual tokens*:
+:func:`token_scale` is 2; prefix lengths given to the core are scaled alike,
+so both sides count the same units), and it is exact **only between tiles of
+the same size and format**: whole tiles, or whole heads of tiles, are copied.
+A block-size ratio would cut a K half at token boundaries it does not have
+(issue 13 item 1: every greedy output wrong); the connector refuses it at
+handshake (``_proven.handshake_fingerprint``: ``block_size`` and
+``cpu_attn_isa`` must be equal on both sides).
 
 Rather than trusting a name, :func:`layout_from_tensors` reads each tensor's
 sizes and strides: it finds the K/V, block, token, head and channel

@@ -33,10 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.protocol import Codec, ConfigError, Role, StartRead, StartWrite
-from kvpush.runtime import PeerRanks, Result
+from kvpush.runtime import PeerRanks, Result, decode_rank
 
 from ._config import ConnectorConfig
 from ._params import ParamsError, TransferParams
+from ._proven import Facts, check_proven, handshake_fingerprint, kv_layout_kind
 from ._scheduler import SchedulerSide
 from ._stats import KvpushPromMetrics, KvpushStats
 from ._tensors import layout_from_tensors
@@ -104,6 +105,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._total_heads = model.get_total_num_kv_heads()
         self._heads = model.get_num_kv_heads(parallel)
         self._head_size = model.get_head_size()
+        # Refuse what make e2e does not prove, before anything starts (_proven.py).
+        self._facts = Facts.from_vllm(vllm_config, kv_cache_config)
+        check_proven(self._facts.values(), self._config.allow_unproven, ktc.kv_role)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._local_hits: dict[str, int] = {}
@@ -126,7 +130,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> None:
         assert self._sched is not None
         blobs = {rank: m.blob for rank, m in metadata.items() if isinstance(m, KvpushHandshake)}
-        self._sched.start(blobs)
+        fingerprint: tuple[tuple[str, str], ...] = ()
+        if 0 in blobs:
+            fingerprint = handshake_fingerprint(self._facts, decode_rank(blobs[0])[1])
+        self._sched.start(blobs, fingerprint=fingerprint)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -215,6 +222,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             head_start=head_start,
         )
         cfg = self._config
+        check_proven({"kv_layout": kv_layout_kind(layout)}, cfg.allow_unproven, f"rank {rank}")
         transport = NixlTransport(
             f"{cfg.engine_id}-r{rank}", backends=cfg.backends, backend_params=cfg.backend_params
         )

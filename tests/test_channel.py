@@ -408,10 +408,12 @@ async def test_hmac_peers_with_a_wrong_or_missing_secret_are_refused_at_the_hand
             await b.send("a", Heartbeat(1))
             assert await received(a, "b") == Heartbeat(1)
             with anyio.fail_after(3):
-                while a.statistics().handshake_failures < 2:
+                # (the dialers see the close a moment after the acceptor counts it)
+                while a.statistics().handshake_failures < 2 or not all(
+                    ch.statistics().peers["a"].connect_failures for ch in (m, p)
+                ):
                     await anyio.sleep(0.01)
-            for ch in (m, p):
-                assert ch.statistics().peers["a"].connect_failures >= 1
+            assert a.statistics().handshake_refusals["unauthenticated"] >= 2
             assert set(a.statistics().peers) == {"b"}
             # A sealed connection whose frames carry a wrong MAC: garbage, and it stays.
             raw = await anyio.connect_tcp(HOST, port)

@@ -21,6 +21,7 @@ from kvpush.protocol import (
     Identity,
     LocalProtocolError,
     Mode,
+    OpStamps,
     PeerReady,
     ReadDone,
     Ready,
@@ -90,17 +91,17 @@ def test_ready_exactly_once_after_exact_set() -> None:
     c = make(p_tp=2)  # TP 2 -> 1: one consumer rank waits for both producer ranks
     e = reserve(c)
     c.drain()
-    c.completion_received(1.0, notice(e, tp=0))
+    c.completion_received(1.0, P, notice(e, tp=0))
     assert c.drain() == []
     assert c.reservations() == [("t1", e, CState.AWAITING)]
-    c.completion_received(1.5, notice(e, tp=0))
+    c.completion_received(1.5, P, notice(e, tp=0))
     assert c.drain() == []
-    c.completion_received(2.0, notice(e, tp=1))
+    c.completion_received(2.0, P, notice(e, tp=1))
     (ready,) = c.drain()
     assert isinstance(ready, Ready)
     assert (ready.transfer_id, ready.epoch, ready.blocks) == ("t1", e, ((1, 2),))
-    c.completion_received(2.5, notice(e, tp=1))
-    c.completion_received(2.5, notice(e, tp=0))
+    c.completion_received(2.5, P, notice(e, tp=1))
+    c.completion_received(2.5, P, notice(e, tp=0))
     assert c.drain() == []
     assert c.reservations() == []
     assert c.reserved_blocks == 0
@@ -123,10 +124,10 @@ def test_ready_needs_every_expected_pair(
     e = reserve(c)
     c.drain()
     for tp, rank, stage in pairs[:-1]:
-        c.completion_received(1.0, notice(e, tp=tp, rank=rank, pp=stage))
+        c.completion_received(1.0, P, notice(e, tp=tp, rank=rank, pp=stage))
         assert c.drain() == []
     tp, rank, stage = pairs[-1]
-    c.completion_received(1.0, notice(e, tp=tp, rank=rank, pp=stage))
+    c.completion_received(1.0, P, notice(e, tp=tp, rank=rank, pp=stage))
     assert kinds(c.drain()) == [Ready]
 
 
@@ -149,7 +150,7 @@ def test_unexpected_completion_ignored_and_counted(case: str, counter: str) -> N
     c.receive(0.0, P, Settled("t1", old))
     e = reserve(c, now=0.5)
     c.drain()
-    c.completion_received(1.0, notice(e, tp=0))
+    c.completion_received(1.0, P, notice(e, tp=0))
     before = c.reservations()
     stats = dict(c.stats())
     bad = {
@@ -161,12 +162,12 @@ def test_unexpected_completion_ignored_and_counted(case: str, counter: str) -> N
         "unknown transfer": notice(e, tp=1, tid="t9"),
         "duplicate": notice(e, tp=0),
     }[case]
-    c.completion_received(2.0, bad)
+    c.completion_received(2.0, P, bad)
     assert c.drain() == []
     assert c.reservations() == before == [("t1", e, CState.AWAITING)]
     assert c.stats()[counter] == stats.get(counter, 0) + 1
     # the legitimate last completion still makes it ready
-    c.completion_received(3.0, notice(e, tp=1))
+    c.completion_received(3.0, P, notice(e, tp=1))
     assert kinds(c.drain()) == [Ready]
 
 
@@ -229,9 +230,9 @@ def test_draining_releases_once_every_pair_settled() -> None:
     e = reserve(c)
     c.handle_timer(30.0)
     c.drain()
-    c.completion_received(31.0, notice(e, tp=0))
+    c.completion_received(31.0, P, notice(e, tp=0))
     assert c.drain() == []
-    c.completion_received(31.5, notice(e, tp=1))
+    c.completion_received(31.5, P, notice(e, tp=1))
     assert kinds(c.drain()) == [Released]  # never Ready once failed
 
 
@@ -239,7 +240,7 @@ def test_preempt_withdraws_and_old_epoch_never_readies_new_one() -> None:
     c = make(p_tp=2)
     e1 = reserve(c)
     c.drain()
-    c.completion_received(0.5, notice(e1, tp=0))
+    c.completion_received(0.5, P, notice(e1, tp=0))
     assert c.preempt(1.0, "t1") is True
     assert c.drain() == [Send(P, Withdraw("t1", e1))]
     assert c.reservations() == [("t1", e1, CState.DRAINING)]
@@ -250,14 +251,14 @@ def test_preempt_withdraws_and_old_epoch_never_readies_new_one() -> None:
     assert c.drain() == [Send(P, Register("t1", e2, D, ((3, 4),), 30.0, Mode.PUSH))]
     assert c.reserved_blocks == 4  # the draining epoch still holds its blocks
     # the old epoch's other completion settles the old epoch only
-    c.completion_received(3.0, notice(e1, tp=1))
+    c.completion_received(3.0, P, notice(e1, tp=1))
     out = c.drain()
     assert not any(isinstance(o, (Ready, Failed)) for o in out)
     assert [(o.epoch, o.blocks) for o in out if isinstance(o, Released)] == [(e1, ((1, 2),))]
     assert c.reservations() == [("t1", e2, CState.AWAITING)]
-    c.completion_received(4.0, notice(e2, tp=0))
+    c.completion_received(4.0, P, notice(e2, tp=0))
     assert c.drain() == []
-    c.completion_received(4.0, notice(e2, tp=1))
+    c.completion_received(4.0, P, notice(e2, tp=1))
     (ready,) = c.drain()
     assert isinstance(ready, Ready)
     assert (ready.epoch, ready.blocks) == (e2, ((3, 4),))
@@ -334,7 +335,7 @@ def test_write_failed_fails_at_once() -> None:
     c.receive(1.0, P, WriteFailed("t1", e, Source(0), 0, "post failed"))
     assert c.drain() == []
     assert c.stats()["write_failed_duplicate"] == 1
-    c.completion_received(2.0, notice(e, tp=1))
+    c.completion_received(2.0, P, notice(e, tp=1))
     (released,) = c.drain()
     assert isinstance(released, Released)
     assert released.timeline.failed == 1.0
@@ -401,8 +402,8 @@ def test_timeline_fields_come_from_the_given_times() -> None:
     e = reserve(c, now=1.0)
     live = c.timeline("t1")
     assert live == Timeline("t1", e, reserved=1.0, registration_sent=1.0)
-    c.completion_received(2.0, notice(e, tp=0, tid="t1"))
-    c.completion_received(3.5, notice(e, tp=1, tid="t1"))
+    c.completion_received(2.0, P, notice(e, tp=0, tid="t1"))
+    c.completion_received(3.5, P, notice(e, tp=1, tid="t1"))
     ready = next(o for o in c.drain() if isinstance(o, Ready))
     assert ready.timeline == Timeline(
         "t1",
@@ -539,7 +540,7 @@ def test_every_remote_message_in_every_state_is_safe(state: CState, mode: Mode, 
     msg = _messages(e)[index]
     stats = sum(c.stats().values())
     if isinstance(msg, Completion):
-        c.completion_received(2.0, msg)
+        c.completion_received(2.0, P, msg)
     else:
         c.receive(2.0, P, msg)
     out = c.drain()
@@ -563,7 +564,8 @@ def test_timeline_builder_freezes_every_field() -> None:
     names = list(Timeline._fields)
     assert names == [f.name for f in dataclasses.fields(TimelineBuilder)]
     b = TimelineBuilder("t", 3)
-    floats = [n for n in names if n not in ("transfer_id", "epoch", "write_done")]
+    pairs = ("write_done", "ops", "notice_seen")
+    floats = [n for n in names if n not in ("transfer_id", "epoch", *pairs)]
     for i, name in enumerate(floats):
         setattr(b, name, float(i + 1))
     b.write_done[(Source(1), 0)] = 9.0
@@ -579,3 +581,37 @@ def test_timeline_builder_freezes_every_field() -> None:
         ((Source(0, 1), 0), 8.0),
         ((Source(1), 0), 9.0),
     )
+    b.ops[(Source(1), 0)] = OpStamps(1.0, 2.0, 3.0, 4.0)
+    b.ops[(Source(0), 0)] = OpStamps(0.5, 0.6, 0.7, 0.8)
+    b.notice_seen[(Source(1), 0)] = 5.0
+    b.notice_seen[(Source(0), 0)] = 6.0
+    frozen = b.freeze()
+    assert frozen.ops == (
+        ((Source(0), 0), OpStamps(0.5, 0.6, 0.7, 0.8)),
+        ((Source(1), 0), OpStamps(1.0, 2.0, 3.0, 4.0)),
+    )
+    assert frozen.notice_seen == (((Source(0), 0), 6.0), ((Source(1), 0), 5.0))
+
+
+def test_a_completion_counts_only_from_the_reservations_producer() -> None:
+    """xPyD: a notice from another producer (whose MAC verifies: same fleet
+    secret) never counts toward this producer's transfer, nor does one from a
+    transport agent no handshake introduced; the reservation's own producer's
+    notice still does."""
+    q = "prefill-q"
+    c = make()
+    c.connect(0.0, q)
+    c.receive(0.0, q, Identity(q, 1).hello(Role.PRODUCER, P_OP_BOUND))
+    c.drain()
+    e = reserve(c)
+    c.drain()
+    c.completion_received(1.0, q, notice(e))
+    c.completion_received(1.0, None, notice(e))
+    assert c.drain() == []
+    assert c.reservations() == [("t1", e, CState.AWAITING)]
+    assert c.stats()["completion_wrong_sender"] == 2
+    c.completion_received(2.0, P, notice(e), seen=1.5)
+    (ready,) = c.drain()
+    assert isinstance(ready, Ready)
+    assert ready.timeline.notice_seen == (((Source(0), 0), 1.5),)
+    assert ready.timeline.write_done == (((Source(0), 0), 2.0),)

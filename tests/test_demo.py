@@ -114,6 +114,59 @@ def test_demo_hands_off_and_checks_every_block(
     _assert_clean(*_run_info(stderr))
 
 
+@pytest.mark.parametrize(("transport", "mode"), [("nixl", "push"), ("memory", "pull")])
+def test_every_phase_is_measured_and_they_sum_to_ttft(transport: str, mode: str) -> None:
+    """Regression: handoff preparation and ready were 0.000 in every run
+    (``write_started`` and ``kv_ready`` were the same float, ``ready`` the
+    last completion) and everything between KV ready and Ready counted as
+    transfer. Now the data planes stamp planning, posting, settling and each
+    notice, the runtime stamps the Ready's delivery, and per request compute,
+    preparation, transfer and ready add up to TTFT."""
+    out, _ = _demo(
+        "--mode", mode, "--transport", transport, "--tp-prefill", "2", "--requests", "12",
+        "--qps", "0", "--prompt-tokens", "200", "--seed", "3",
+    )  # fmt: skip
+    assert out["completed"] == 12
+    assert out["unstamped"] == 0
+    error = out["phase_sum_error"]
+    assert isinstance(error, float) and error <= 0.01
+    phases = out["phases_ms"]
+    assert isinstance(phases, dict)
+    for key in ("compute", "handoff_prep", "planning", "transfer", "posting", "ready", "ttft"):
+        assert phases[key]["p50"] > 0, (key, phases)
+    assert phases["planning"]["p99"] <= phases["handoff_prep"]["p99"] + 1e-3
+
+
+def test_the_phases_of_one_request_follow_each_other() -> None:
+    """The report's arithmetic on stamps typed in: each phase starts where
+    the one before ends (push: the prefill's writes, the decode's notices)."""
+    from kvpush.demo._report import CHAIN, _phases, sum_error
+    from kvpush.demo._router import Record
+    from kvpush.demo._wire import ConsumerResult, OpsSummary, ProducerResult
+
+    ops = OpsSummary(planned=10.004, planning=0.001, posting=0.002, done=10.007)
+    rec = Record("t", dispatched=9.0)
+    rec.producer = ProducerResult("t", "delivered", 9.001, 10.0, 10.002, 10.008, ops)
+    rec.consumer = ConsumerResult(
+        "t", True, "", 0, 9.0, 10.0095, 10.0097, notice_seen=10.009, delivered=10.0101
+    )
+    ph = _phases(rec, raw_ms=0.5)
+    got = {k: round(v, 3) for k, v in ph.items() if v is not None}
+    assert got == {
+        "registration": 1.0,
+        "compute": 1000.0,
+        "handoff_prep": 4.0,
+        "planning": 1.0,
+        "transfer": 5.0,
+        "posting": 2.0,
+        "ready": 1.1,
+        "ttft": 1010.1,
+        "handoff_overhead": 9.6,
+    }
+    assert sum(ph[k] or 0 for k in CHAIN) == pytest.approx(ph["ttft"])
+    assert sum_error(ph) == pytest.approx(0, abs=1e-9)
+
+
 INSTANCE = re.compile(r"(?P<name>[\w-]+) leader pid (?P<leader>\d+) \(ranks (?P<ranks>[\d,]+)\)")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpush.protocol import Topology
+from kvpush.protocol._endpoint import Endpoint
 from kvpush.testing import InvariantViolation, WorldConfig
 from kvpush.testing.explorer import explore
 
@@ -45,3 +46,40 @@ def test_explorer_finds_a_consumer_that_readies_early(monkeypatch: pytest.Monkey
     config = WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS)
     with pytest.raises(InvariantViolation, match="I2"):
         explore(config, transfers=1, preemptions=0)
+
+
+def test_every_interleaving_of_a_handshake_that_loses_a_hello() -> None:
+    """Issue 13 (2): the handshake runs over the explored network, which may
+    duplicate one frame and lose one hello; the retry timer recovers every
+    time, and the transfer becomes ready."""
+    result = explore(
+        WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS),
+        transfers=1,
+        preemptions=0,
+        duplicates=1,
+        hello_losses=1,
+    )
+    assert result.states > 300
+    assert result.terminal_states >= 1
+
+
+def test_explorer_finds_a_handshake_without_retry_wedged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take the retry away (today's code): a lost hello wedges the pair."""
+    monkeypatch.setattr(Endpoint, "_fire_peer", lambda self, now, kind, peer: None)
+    config = WorldConfig(producer_tp=1, consumer_tp=1, **NO_TIMEOUTS)
+    with pytest.raises(AssertionError, match="I5"):
+        explore(config, transfers=1, preemptions=0, duplicates=0, hello_losses=1)
+
+
+def test_every_interleaving_with_a_process_stall() -> None:
+    """Either process stalls once, anywhere, and reads what waited late: the
+    stall rule drops its lease-bearing frames (such a transfer fails by its
+    deadline) and nothing else breaks."""
+    result = explore(
+        WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS),
+        transfers=1,
+        preemptions=1,
+        duplicates=0,
+        stalls=1,
+    )
+    assert result.states > 1_000

@@ -10,6 +10,7 @@ import pytest
 
 from kvpush.protocol import (
     Completion,
+    ConfigError,
     Consumer,
     ConsumerConfig,
     ControlMessage,
@@ -37,6 +38,7 @@ from kvpush.protocol import (
     Send,
     Source,
     StartWrite,
+    Timing,
     compute_topology,
 )
 from kvpush.protocol._tables import PEER, PeerInput
@@ -277,7 +279,7 @@ def test_producer_restart_drops_old_state_and_handshakes_again() -> None:
     assert len(w.take(D, PeerReady)) == 1
     assert len(w.take(P, PeerReady)) == 1
     # a completion of the old instance's epoch cannot make anything ready
-    c.completion_received(1.0, Completion("t1", old.epoch, Source(0), 0))
+    c.completion_received(1.0, P, Completion("t1", old.epoch, Source(0), 0))
     assert w.take(D, Ready) == []
     # the new instance serves new reservations end to end
     new = c.reserve(2.0, "t1", P, [[7]])
@@ -289,7 +291,7 @@ def test_producer_restart_drops_old_state_and_handshakes_again() -> None:
     (write,) = w.take(P, StartWrite)
     assert (write.epoch, write.dst_blocks) == (new.epoch, ((7,),))
     fresh.write_done(2.5, "t1", write.epoch, write.route.source, write.route.consumer_rank)
-    c.completion_received(2.5, write.notice)
+    c.completion_received(2.5, P, write.notice)
     w.collect()
     assert [(r.transfer_id, r.epoch) for r in w.take(D, Ready)] == [("t1", new.epoch)]
 
@@ -392,3 +394,171 @@ def test_unsolicited_reject_reports_failure() -> None:
     c.receive(0.0, P, HelloReject("dtype", "bf16 here, fp8 there"))
     assert c.drain() == [PeerFailed(P, "dtype", "bf16 here, fp8 there")]
     assert c.reserve(0.0, "t1", P, [[1]]) == Refused("t1", RefuseReason.PEER_FAILED)
+
+
+# --- liveness: a lost handshake frame is sent again (issue 13, 2) -----------------
+
+
+def _hellos(w: Wire) -> list[tuple[str, str]]:
+    """(from, to) of every hello in flight, then forget everything in flight."""
+    w.collect()
+    got = [(src, dst) for src, dst, m in w.inflight if isinstance(m, Hello)]
+    w.inflight.clear()
+    return got
+
+
+def test_a_lost_hello_is_sent_again_with_backoff_and_the_reservation_registers() -> None:
+    """Regression: the consumer sent its hello only from DISCONNECTED; one lost
+    hello left every reservation to that producer waiting until its deadline."""
+    w = Wire(producer(), consumer())
+    c = w.ends[D]
+    assert isinstance(c, Consumer)
+    assert isinstance(c.reserve(0.0, "t1", P, [[1]]), Reserved)
+    assert _hellos(w) == [(D, P)]  # lost
+    assert c.peer(P).state is PeerState.HELLO_SENT
+    # 1, 2, 4 s between resends (Timing.hello_retry doubling), each lost
+    for when in (1.0, 3.0, 7.0):
+        assert c.next_deadline() == when  # the retry, long before the deadline
+        c.handle_timer(when)
+        assert _hellos(w) == [(D, P)]
+    assert c.stats()["hello_retry"] == 3
+    assert c.peer(P).attempts == 4
+    c.handle_timer(15.0)  # the fourth resend gets through
+    w.now = 15.0
+    w.deliver()
+    assert c.peer(P).state is PeerState.READY
+    assert w.ends[P].peer(D).state is PeerState.READY
+    assert any(isinstance(m, Register) for _, _, m in w.delivered)
+    assert c.reservations() == [("t1", 1, CState.AWAITING)]
+    assert c.peer(P).attempts == 5
+    before = c.next_deadline()
+    c.handle_timer(100.0)  # no retry is left armed once ready
+    _hellos(w)
+    assert c.stats()["hello_retry"] == 4
+    assert before == 30.0  # only the reservation's deadline
+
+
+def test_a_lost_answer_is_answered_again() -> None:
+    """The producer got our hello and answered; the answer was lost. The
+    retry reaches a producer that is already ready: it answers every hello."""
+    w = Wire(producer(), consumer())
+    c, p = w.ends[D], w.ends[P]
+    c.connect(0.0, P)
+    w.collect()
+    (hello,) = [m for _, _, m in w.inflight]
+    w.inflight.clear()
+    p.receive(0.0, D, hello)
+    assert _hellos(w) == [(P, D)]  # the answer, lost
+    assert p.peer(D).state is PeerState.READY
+    c.handle_timer(1.0)
+    w.now = 1.0
+    w.deliver()
+    assert c.peer(P).state is PeerState.READY
+    assert p.stats()["hello_duplicate"] == 1
+    assert c.stats().get("hello_duplicate", 0) == 0
+    # and it stops there: the consumer answers no duplicate while ready
+    c.receive(2.0, P, p._hello)
+    assert _hellos(w) == []
+    assert c.stats()["hello_duplicate"] == 1
+
+
+def test_a_new_connection_resends_an_unanswered_hello_at_once() -> None:
+    """Issue 13, first live sequence: a decode reserves before its prefill
+    listens; the hello expires in the channel's queue; the connection comes up.
+    The hello goes out again on it, without waiting for the retry timer."""
+    w = Wire(producer(), consumer())
+    c = w.ends[D]
+    assert isinstance(c, Consumer)
+    c.reserve(0.0, "t1", P, [[1]])
+    assert _hellos(w) == [(D, P)]  # expired in the queue
+    c.connection_up(0.5, P)
+    w.now = 0.5
+    w.deliver()
+    assert c.peer(P).state is PeerState.READY
+    assert c.stats()["hello_resent_on_connect"] == 1
+    assert c.reservations() == [("t1", 1, CState.AWAITING)]
+
+
+def test_a_restart_that_outlasts_the_loss_timer_recovers_on_the_next_connection() -> None:
+    """Issue 13, second live sequence: the prefill restarts; the channel
+    reports it lost; requests arrive during the outage (their hellos die in
+    the queue); the restarted prefill's connection comes up: the next
+    reservation registers with the new instance."""
+    w = Wire(producer(instance=1), consumer())
+    c = w.ends[D]
+    assert isinstance(c, Consumer)
+    c.connect(0.0, P)
+    w.deliver()
+    c.peer_lost(1.0, P)
+    w.ends[P] = producer(instance=2)
+    w.events[P] = []
+    for i in range(3):  # requests during the outage
+        c.reserve(2.0 + i, f"t{i}", P, [[i]], deadline=4.5 + i)
+    c.handle_timer(3.0)  # a retry, lost too
+    assert set(_hellos(w)) == {(D, P)}
+    c.connection_up(5.0, P)
+    w.now = 5.0
+    w.deliver()
+    assert c.peer(P).hello.instance == 2  # type: ignore[union-attr]
+    assert [s for _, _, s in c.reservations()] == [CState.AWAITING, CState.AWAITING]
+    assert sorted(t for t, _, _ in c.reservations()) == ["t1", "t2"]  # t0's deadline passed
+
+
+def test_retries_are_bounded_and_a_reservation_restarts_them() -> None:
+    timing = Timing(hello_retry=0.5, hello_retry_max=1.0, hello_retries=2)
+    c = Consumer(ConsumerConfig(Identity(D, 1), timing=timing))
+    c.reserve(0.0, "t1", P, [[1]])
+    sends = [0.0]
+    c.drain()
+    while (when := c.next_deadline()) is not None and when < 30.0:
+        c.handle_timer(when)
+        sends += [when for o in c.drain() if isinstance(o, Send)]
+    assert sends == [0.0, 0.5, 1.5]  # the second gap is capped at 1.0
+    assert c.stats()["hello_retries_exhausted"] == 1
+    c.handle_timer(35.0)  # t1's deadline
+    c.drain()
+    c.reserve(40.0, "t2", P, [[2]])  # the handshake starts over
+    assert [type(o.message) for o in c.drain() if isinstance(o, Send)] == [Hello]
+    assert c.stats()["hello_restarted_by_reserve"] == 1
+    assert c.next_deadline() == 40.5
+
+
+def test_duplicate_hello_reject_changes_nothing() -> None:
+    c = consumer()
+    reject = HelloReject("dtype", "bf16 here, fp8 there")
+    c.receive(0.0, P, reject)
+    assert c.drain() == [PeerFailed(P, "dtype", "bf16 here, fp8 there")]
+    c.receive(0.1, P, reject)
+    assert c.drain() == []
+    assert c.stats()["hello_reject_duplicate"] == 1
+
+
+def test_rejected_unknown_peer_reintroduces_the_consumer() -> None:
+    """The producer lost our handshake while we kept ours (it saw the
+    connection die, we did not): its Rejected(UNKNOWN_PEER) makes us send our
+    hello again, and the next reservation gets through."""
+    w = Wire(producer(), consumer())
+    c, p = w.ends[D], w.ends[P]
+    assert isinstance(c, Consumer)
+    c.connect(0.0, P)
+    w.deliver()
+    p.peer_lost(1.0, D)
+    c.reserve(2.0, "t1", P, [[1]])
+    w.now = 2.0
+    w.deliver()
+    assert [f.reason for f in w.take(D, Failed)] == [FailureReason.REJECTED]
+    assert c.stats()["hello_resent_unknown_peer"] == 1
+    assert p.peer(D).state is PeerState.READY
+    c.reserve(3.0, "t2", P, [[2]])
+    w.now = 3.0
+    w.deliver()
+    assert ("t2", 2, CState.AWAITING) in c.reservations()
+
+
+def test_the_hello_retry_needs_sane_bounds() -> None:
+    with pytest.raises(ConfigError, match="hello_retry_max"):
+        Timing(hello_retry=2.0, hello_retry_max=1.0)
+    with pytest.raises(ConfigError, match="hello_retries"):
+        Timing(hello_retries=-1)
+    with pytest.raises(ConfigError, match="hello_retry"):
+        Timing(hello_retry=0.0)

@@ -428,7 +428,15 @@ def test_register_from_peer_without_handshake_is_rejected() -> None:
     p = Producer(ProducerConfig(Identity(P, 1)))
     p.receive(0.0, D, register(1))
     assert p.drain() == [Send(D, Rejected("t1", 1, RejectReason.UNKNOWN_PEER))]
-    assert p.transfers() == []
+    # The consumer frees the blocks on that answer: a tombstone of the epoch
+    # refuses a copy of the registration once the handshake is redone.
+    assert p.transfers() == [("t1", PState.IDLE)]
+    p.receive(1.0, D, Identity(D, 1).hello(Role.CONSUMER, C_OP_BOUND))
+    p.drain()
+    p.receive(1.5, D, register(1))
+    assert p.drain() == [Send(D, Rejected("t1", 1, RejectReason.SUPERSEDED))]
+    p.receive(1.5, D, register(2))  # a newer epoch is served
+    assert p.transfers() == [("t1", PState.WAIT_KV)]
 
 
 @pytest.mark.parametrize(
@@ -460,7 +468,14 @@ def test_registration_from_second_consumer_is_rejected() -> None:
 
 # --- every (state, input) pair --------------------------------------------------------
 
-REMOTE = (PInput.REGISTER, PInput.WITHDRAW, PInput.READ_DONE, PInput.PEER_ABORT, PInput.PEER_DOWN)
+REMOTE = (
+    PInput.REGISTER,
+    PInput.WITHDRAW,
+    PInput.READ_DONE,
+    PInput.PEER_ABORT,
+    PInput.PEER_ABORT_NEWER,
+    PInput.PEER_DOWN,
+)
 LOCAL = tuple(i for i in PInput if i not in REMOTE)
 
 
@@ -567,3 +582,22 @@ def test_every_input_in_every_state_is_safe(state: PState, index: int) -> None:
     assert p.next_deadline() is None
     assert p.transfers() == []
     assert p.held_blocks == 0
+
+
+def test_the_data_planes_stamps_of_each_write_reach_the_timeline() -> None:
+    """The core reads no clock: the moments the data plane measured (planned,
+    posted, settled) come in with ``write_done`` and end up in the timeline,
+    apart from ``write_started`` (when the core asked for the writes)."""
+    from kvpush.protocol import OpStamps
+
+    p = make(p_tp=2)
+    (w0, w1) = writing(p, now=1.0)
+    with pytest.raises(LocalProtocolError, match="out of order"):
+        p.write_done(2.0, "t1", 1, w0.route.source, 0, stamps=OpStamps(1.2, 1.1, 1.3, 1.4))
+    p.write_done(2.0, "t1", 1, w0.route.source, 0, stamps=OpStamps(1.1, 1.2, 1.3, 1.4))
+    p.write_done(2.5, "t1", 1, w1.route.source, 0)  # an adapter that measures nothing
+    (rel,) = [o for o in p.drain() if isinstance(o, SourceReleased)]
+    tl = rel.timeline
+    assert (tl.kv_ready, tl.write_started) == (1.0, 1.0)
+    assert tl.ops == (((w0.route.source, 0), OpStamps(1.1, 1.2, 1.3, 1.4)),)
+    assert dict(tl.write_done) == {(w0.route.source, 0): 2.0, (w1.route.source, 0): 2.5}

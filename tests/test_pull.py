@@ -187,6 +187,54 @@ def test_preempt_during_reads_then_new_epoch() -> None:
     assert [r.outcome for r in w.take(P, SourceReleased)] == [ReleaseOutcome.DELIVERED]
 
 
+def _preempt_reserve_abort(w: Wire) -> tuple[int, int, list[StartRead]]:
+    """Issue 13 item 3: Register(e1), Announce(e1), the reads of e1 in flight,
+    preempt (READING -> READ_DRAIN), reserve again (Register(e2)), abort
+    (Abort(e2)); everything delivered. Returns (e1, e2, e1's reads)."""
+    e1, reads = w.reading()
+    assert w.c.preempt(w.now, "t1") is True
+    e2 = w.reserve(blocks=((4, 5, 6),))
+    assert [type(m) for m in w.deliver()] == [Register]
+    assert w.c.abort(w.now, "t1") is True
+    assert w.deliver()[0] == Abort("t1", e2)
+    assert w.c.reservations() == [("t1", e1, CState.READ_DRAIN)]
+    return e1, e2, reads
+
+
+def test_abort_of_a_newer_epoch_keeps_the_source_until_older_reads_settle() -> None:
+    """Regression (issue 13, 3): the producer took Abort(e2), the newest epoch,
+    as the end of the whole transfer and released the source KV at once, while
+    e1's reads were still running: they read blocks reused by another request."""
+    w = Wire()
+    e1, e2, reads = _preempt_reserve_abort(w)
+    assert w.take(P, SourceReleased) == []  # e1's reads still run
+    assert w.p.transfers() == [("t1", PState.LENT)]
+    assert w.p.held_blocks == 3
+    for r in reads:
+        w.read(r)
+    # The reads settled: the consumer says so (its Withdraw of e1), and only
+    # now the source comes back, as aborted; both epochs are acknowledged.
+    assert w.deliver() == [Withdraw("t1", e1), Settled("t1", e1), Settled("t1", e2)]
+    assert [r.outcome for r in w.take(P, SourceReleased)] == [ReleaseOutcome.ABORTED]
+    assert [r.epoch for r in w.take(D, Released)] == [e2, e1]
+    assert w.p.held_blocks == 0
+    assert w.c.reserved_blocks == 0
+
+
+def test_abort_of_a_newer_epoch_with_reads_never_reported_waits_for_the_quarantine() -> None:
+    w = Wire()
+    w.now = 0.0
+    _preempt_reserve_abort(w)
+    quarantine = 30.0 + P_TIMING.max_transit + C_TIMING.op_bound  # e1's lease from 0.0
+    assert w.p.next_deadline() == quarantine
+    w.p.handle_timer(quarantine - 0.01)
+    w.collect()
+    assert w.take(P, SourceReleased) == []
+    w.p.handle_timer(quarantine)
+    w.collect()
+    assert [r.outcome for r in w.take(P, SourceReleased)] == [ReleaseOutcome.ABORTED]
+
+
 def test_withdraw_returns_producer_to_holding() -> None:
     w = Wire()
     e1, reads = w.reading()

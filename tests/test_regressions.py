@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from kvpush.protocol import Abort, Announce, Mode, Register, Rejected, Settled
+from kvpush.protocol import (
+    Abort,
+    Announce,
+    Mode,
+    PeerState,
+    Register,
+    Rejected,
+    ReleaseOutcome,
+    Settled,
+)
 from kvpush.testing import World, WorldConfig
 
 
@@ -82,3 +91,56 @@ def test_abort_reaching_a_tombstone_is_acknowledged() -> None:
     w.producer.receive(w.clock.now, "decode", Abort("t", 3))
     w.pump()
     assert any(isinstance(m.message, Settled) and m.message.epoch == 3 for m in w.net.queue)
+
+
+def test_abort_of_a_newer_pull_epoch_does_not_free_kv_under_an_older_read() -> None:
+    """Issue 13 (3), found by a seeded random driver: Register(e1), Announce(e1),
+    the read of e1 posted, preempt (READING -> READ_DRAIN), reserve again
+    (Register(e2)), abort (Abort(e2)). The producer took Abort(e2) as the end of
+    the whole transfer and released the source while read e1 still ran; the
+    checker now fails any such release, whether or not the read lands late."""
+    w = World(WorldConfig(kv_hold_timeout=100.0, tombstone_ttl=200.0))
+    assert w.reserve("t", Mode.PULL)
+    e1 = w.live["t"]
+    w.deliver(_index(w, Register))
+    assert w.kv_ready("t")
+    w.deliver(_index(w, Announce, e1))
+    (read,) = range(len(w.ops))
+    w.post(read)
+    assert w.preempt("t")
+    assert w.reserve("t", Mode.PULL)
+    e2 = w.live["t"]
+    w.deliver(_index(w, Register, e2))
+    assert w.abort_consumer("t")
+    w.deliver(_index(w, Abort, e2))  # before the fix: SourceReleased here (I1)
+    assert "t" not in w.source_outcomes
+    w.land(read)  # the checker verifies the source is still held
+    w.quiesce()
+    assert w.source_outcomes["t"] is ReleaseOutcome.ABORTED
+
+
+def test_a_registration_copy_after_unknown_peer_is_not_served() -> None:
+    """Found by the machines once handshake frames joined the fault model: the
+    producer lost the handshake (it saw the connection die, the consumer did
+    not) and answered Register(e) with Rejected(UNKNOWN_PEER), on which the
+    consumer released the blocks. A copy of Register(e), duplicated or delayed
+    within max_transit, reached the producer after the handshake was redone and
+    was served: its write landed in released blocks. Now the rejection leaves a
+    tombstone of that epoch, and the copy is refused."""
+    w = World(WorldConfig(kv_hold_timeout=100.0, tombstone_ttl=200.0))
+    w.producer.peer_lost(w.clock.now, "decode")  # the consumer did not notice
+    assert w.reserve("t")
+    w.net.duplicate(_index(w, Register))
+    w.deliver(_index(w, Register))  # Rejected(UNKNOWN_PEER)
+    w.deliver(_index(w, Rejected))  # the consumer releases, says hello again
+    assert ("t", 1) in w.failed
+    assert w.consumer.reserved_blocks == 0
+    # the handshake is redone (the hello the consumer now resends, or any)
+    w.producer.receive(w.clock.now, "decode", w.consumer._hello)
+    w.pump()
+    assert w.producer.peer("decode").state is PeerState.READY
+    assert w.kv_ready("t")
+    w.deliver(_index(w, Register))  # the copy of Register(e1)
+    assert w.ops == []
+    w.quiesce()
+    assert w.producer.stats()["register_stale"] == 1

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvpush.protocol import (
     Codec,
+    Completion,
     Consumer,
     ConsumerConfig,
     Event,
@@ -29,14 +30,19 @@ from kvpush.protocol import (
     Ready,
     Released,
     Role,
+    Source,
     SourceReleased,
+    Timeline,
     layer_regions,
 )
 from kvpush.runtime import (
+    Completed,
     ConsumerRuntime,
     ControlChannel,
     DataPlane,
     EndpointMetrics,
+    Notice,
+    NoticeIn,
     PeerRanks,
     ProducerRuntime,
     Rank,
@@ -165,6 +171,28 @@ async def wait_for(s: Side, kinds: tuple[type, ...], n: int, seen: list[Event]) 
     return seen
 
 
+def check_stamps(mode: Mode, p: Timeline, c: Timeline) -> None:
+    """The moments between KV ready and Ready, each where its name says, in
+    order: the mover's data plane planned, posted and saw each op settle;
+    the consumer's data plane saw each notice (push) after its write was
+    posted; the caller got the Ready after all of it."""
+    pairs = {pair for pair, _ in c.write_done}
+    assert pairs and c.ready is not None and c.delivered is not None
+    assert p.kv_ready is not None and p.write_started is not None
+    ops = dict(p.ops if mode is Mode.PUSH else c.ops)
+    assert set(ops) == pairs
+    for st in ops.values():
+        assert p.write_started <= st.plan_started <= st.planned <= st.posted <= st.done
+    if mode is Mode.PUSH:
+        seen = dict(c.notice_seen)
+        assert set(seen) == pairs
+        assert all(ops[pair].posted <= t <= c.ready for pair, t in seen.items())
+    else:
+        assert not c.notice_seen
+        assert all(st.done <= c.ready for st in ops.values())
+    assert p.kv_ready <= p.write_started <= c.ready <= c.delivered
+
+
 @pytest.mark.parametrize("prepped", [False, True], ids=["rows", "prepped"])
 @pytest.mark.parametrize(
     ("p_tp", "d_tp", "p_tokens", "d_tokens", "mode"),
@@ -206,6 +234,7 @@ async def test_transfers_over_tcp_and_shared_memory(
         assert released.outcome.value == "delivered"
         (ready,) = [e for e in seen if isinstance(e, Ready)]
         assert ready.timeline.ready is not None and ready.timeline.registration_sent is not None
+        check_stamps(mode, released.timeline, ready.timeline)
         assert cons.runtime.endpoint.reserved_blocks == 0
         assert prod.runtime.endpoint.held_blocks == 0
         assert not [e for e in seen if isinstance(e, Released)]
@@ -377,27 +406,28 @@ async def test_the_pump_sleeps_until_its_deadline_and_never_spins() -> None:
         tg.cancel_scope.cancel()
 
 
-def test_the_stall_watch_suspects_frames_handled_during_or_just_after_a_stall() -> None:
+def test_the_stall_watch_only_measures_and_reports_each_gap_to_the_core() -> None:
     """A frame that sat in the kernel while the process was stopped is read
-    late; its lease would be measured from then (tests/incidents scenario 4)."""
+    late; its lease would be measured from then (tests/incidents scenario 4).
+    The watch measures the gap and reports it; the core decides (its
+    ``stalled()`` input, tests/test_stall.py)."""
     from kvpush.runtime._runtime import StallWatch
 
     clock = [100.0]
-    watch = StallWatch(0.25, lambda: clock[0])
-    for _ in range(10):  # the ticker beats every limit / 5: nothing suspect
+    reported: list[tuple[float, float]] = []
+    watch = StallWatch(0.25, lambda: clock[0], lambda now, gap: reported.append((now, gap)))
+    for _ in range(10):  # the ticker beats every limit / 5: no stall
         clock[0] += 0.05
         watch.check()
-        assert not watch.suspect(clock[0] + 0.01)
+    assert reported == []
     clock[0] += 4.0  # stopped for 4 s
-    assert watch.suspect(clock[0])  # read before the ticker noticed
-    watch.check()
+    watch.check()  # the pump checks before it feeds the frame it read
     assert watch.stalls == 1
-    assert watch.suspect(clock[0] + 0.2)  # still within the settle window
+    assert reported == [(clock[0], pytest.approx(4.0))]
     for _ in range(6):
         clock[0] += 0.05
         watch.check()
-    assert not watch.suspect(clock[0])  # caught up
-    assert watch.stalls == 1
+    assert watch.stalls == 1 and len(reported) == 1
 
 
 def test_the_stall_limit_must_be_positive() -> None:
@@ -423,3 +453,67 @@ def test_a_peer_whose_metadata_the_transport_refuses_does_not_end_the_data_plane
             assert "forged" not in dataplane._peers
         finally:
             dataplane.stop()
+
+
+class _NoticesOnly:
+    """A consumer rank's transport that only receives the notices typed in."""
+
+    agent = "decode-r0"
+
+    def __init__(self) -> None:
+        self.inbox: list[Notice] = []
+
+    def register(self, layout: KVLayout) -> None:
+        pass
+
+    def metadata(self) -> bytes:
+        return self.agent.encode()
+
+    def add_peer(self, metadata: bytes, layout: KVLayout | None = None) -> str:
+        return metadata.decode()
+
+    def remove_peer(self, agent: str) -> None:
+        pass
+
+    def write(self, agent: str, src: object, dst: object, notice: bytes) -> int:
+        raise AssertionError("not used")
+
+    def read(self, agent: str, local: object, remote: object) -> int:
+        raise AssertionError("not used")
+
+    def poll(self) -> tuple[list[Completed], list[Notice]]:
+        out, self.inbox = self.inbox, []
+        return [], out
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_data_plane_names_the_peer_that_sent_each_notice() -> None:
+    """xPyD: a notice is bound to the peer whose handshake introduced the
+    agent that delivered it (the core checks it against the reservation); an
+    agent nobody introduced is named ``None``, and a second peer claiming an
+    agent another peer owns is refused."""
+    codec = Codec(secret=SECRET)
+    layout = rank_layout(1, 0, 16)
+    transport = _NoticesOnly()
+    results: list[object] = []
+    dataplane = DataPlane(Role.CONSUMER, {0: Rank(transport, layout)}, 1, codec)
+    dataplane.bind(results.extend)
+    dataplane.add_peer(PeerRanks("prefill-a", {0: (b"a-r0", layout)}, 1))
+    dataplane.add_peer(PeerRanks("prefill-b", {0: (b"b-r0", layout)}, 1))
+    dataplane.add_peer(PeerRanks("prefill-c", {0: (b"a-r0", layout)}, 1))  # a's agent
+    dataplane.start()
+    try:
+        time.sleep(0.05)
+        notice = codec.encode_notice(Completion("t1", 1, Source(0), 0))
+        before = time.monotonic()
+        transport.inbox = [Notice(a, notice) for a in ("a-r0", "b-r0", "nobody-r0")]
+        deadline = time.monotonic() + 5
+        while len(results) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        dataplane.stop()
+    assert [r.peer for r in results] == ["prefill-a", "prefill-b", None]  # type: ignore[attr-defined]
+    assert all(isinstance(r, NoticeIn) and r.seen is not None and r.seen >= before for r in results)
+    assert "prefill-c" not in dataplane._peers

@@ -91,11 +91,11 @@ def _bypass_epochs(monkeypatch: pytest.MonkeyPatch) -> None:
     push connector does: a notice of an old epoch counts for the live one."""
     original = Consumer.completion_received
 
-    def by_transfer_id(self: Consumer, now: float, notice: object) -> None:
+    def by_transfer_id(self: Consumer, now: float, peer: str | None, notice: object) -> None:
         live = self._live.get(notice.transfer_id)  # type: ignore[attr-defined]
         if live is not None:
             notice = dataclasses.replace(notice, epoch=live.epoch)  # type: ignore[type-var]
-        original(self, now, notice)  # type: ignore[arg-type]
+        original(self, now, peer, notice)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Consumer, "completion_received", by_transfer_id)
 

@@ -49,7 +49,7 @@ from kvpush.runtime import (
     ProducerRuntime,
 )
 
-from ._leader import Leader, LeaderSpec, last_write_done
+from ._leader import Leader, LeaderSpec, last_write_done, ops_summary
 from ._wire import (
     Abort,
     Check,
@@ -129,6 +129,7 @@ class PrefillLeader(Leader):
                     tl.kv_ready,
                     tl.write_started,
                     last_write_done(tl),
+                    ops_summary(tl),
                 )
             )
         elif isinstance(ev, PeerFailed):
@@ -208,9 +209,19 @@ class DecodeLeader(Leader):
         self.pool.give(blocks)
         bad = len({i for reply in replies for i in reply.corrupt})
         tl = ev.timeline
+        seen = max((t for _, t in tl.notice_seen), default=None)
         self.send(
             ConsumerResult(
-                ev.transfer_id, True, "", bad, tl.reserved, last_write_done(tl), tl.ready
+                ev.transfer_id,
+                True,
+                "",
+                bad,
+                tl.reserved,
+                last_write_done(tl),
+                tl.ready,
+                seen,
+                ops_summary(tl),
+                tl.delivered,
             )
         )
 

@@ -51,9 +51,9 @@ from kvpush.runtime._shm_ring import Segment
 
 from ._model import DemoError, SideGeometry
 from ._pattern import request_seed
-from ._wire import Check, Dispatch, Fill, Finish, LeaderUp, RankReply, Stats, Stop
+from ._wire import Check, Dispatch, Fill, Finish, LeaderUp, OpsSummary, RankReply, Stats, Stop
 
-__all__ = ("BlockPool", "Leader", "LeaderSpec", "RankClient", "last_write_done")
+__all__ = ("BlockPool", "Leader", "LeaderSpec", "RankClient", "last_write_done", "ops_summary")
 
 #: Each (writer, target) notice mailbox: thousands of notices, little memory.
 _MAILBOX_BYTES = 1 << 20
@@ -111,6 +111,19 @@ class _ParentGone:
 def last_write_done(timeline: Timeline) -> float | None:
     """When the last rank pair's data landed (``None``: none did)."""
     return max((t for _, t in timeline.write_done), default=None)
+
+
+def ops_summary(timeline: Timeline) -> OpsSummary | None:
+    """The data plane's stamps of the timeline's ops (``None``: none)."""
+    stamps = [st for _, st in timeline.ops]
+    if not stamps:
+        return None
+    return OpsSummary(
+        max(st.planned for st in stamps),
+        max(st.planned - st.plan_started for st in stamps),
+        max(st.posted - st.planned for st in stamps),
+        max(st.done for st in stamps),
+    )
 
 
 class _Call:

@@ -1,22 +1,32 @@
 """The numbers of a run: the per-request phase timeline, as percentiles.
 
 Phases, from the prefill's and the decode's timelines (their clocks are the
-same ``time.monotonic()``) and the router's dispatch time:
+same ``time.monotonic()``, and the data planes stamp on it too) and the
+router's dispatch time. Each starts where the one before ends, so per request
+compute + handoff preparation + transfer + ready is TTFT (``phase_sum_error``
+is the largest relative gap over the run; a stamp that is missing is counted
+in ``unstamped``):
 
-* registration: decode reserved -> prefill received the registration
+* registration: decode reserved -> prefill received the registration (it
+  overlaps compute: not part of the sum)
 * compute: dispatch -> ``kv_ready`` (the simulated prefill, pattern written)
-* handoff prep: ``kv_ready`` -> the first write started (push) or the Announce
-  went out (pull); 0 when the registration was already there, longer when it
-  came late
-* transfer: that moment -> the last write done, as the prefill's transport
-  reported it (push), or the decode's last read done (pull: this includes the
-  Announce's trip)
-* ready: that -> the decode's ``Ready`` (push: the completion notices reach
-  the decode and its endpoint settles every rank pair)
-* ttft: dispatch -> ``Ready``
+* handoff prep: ``kv_ready`` -> the mover's data plane has the plan of its
+  last op (push: the prefill's writes; pull: the decode's reads). Waiting for a
+  late registration, the core's decision, the hop to the data-plane thread
+  and planning (pull: also the Announce's trip and the decode's decision).
+  ``planning`` is the longest single plan, part of this phase
+* transfer: that -> the data is there: the decode's data plane polled the last
+  completion notice (push) or saw the last read settle (pull). ``posting`` is
+  the longest single transport call, part of this phase (the shared-memory
+  transport copies inside it)
+* ready: that -> the runtime handed ``Ready`` to the decode's caller (the hop
+  from the data-plane thread to the event loop, the core settling every rank
+  pair, the event queue)
+* ttft: dispatch -> ``Ready`` delivered
 
-``handoff_overhead`` is ``(ready - kv_ready)`` minus the transfer phase: what
-the handoff costs on top of moving the bytes. Only completed requests count.
+``handoff_overhead`` is ``(Ready delivered - kv_ready)`` minus a raw copy of
+the request's bytes: what the handoff costs on top of moving them. Only
+completed requests count.
 
 ``instances`` has, for every instance, its side, TP, the completed requests
 it ``served`` and its ``leaked_blocks``; ``pairs`` counts the completed
@@ -45,18 +55,23 @@ import numpy as np
 from ._model import ModelShape
 from ._router import DemoConfig, Record, RunResult
 
-__all__ = ("PHASES", "percentiles", "problems", "render", "summarize")
+__all__ = ("CHAIN", "PHASES", "percentiles", "problems", "render", "sum_error", "summarize")
 
-#: (key, label) of each phase, in timeline order.
+#: (key, label) of each phase, in timeline order ("of which": part of the row above).
 PHASES: tuple[tuple[str, str], ...] = (
     ("registration", "registration"),
     ("compute", "compute (prefill)"),
     ("handoff_prep", "handoff preparation"),
+    ("planning", "  of which planning"),
     ("transfer", "transfer"),
+    ("posting", "  of which posting"),
     ("ready", "ready"),
-    ("ttft", "TTFT (dispatch -> ready)"),
+    ("ttft", "TTFT (dispatch -> Ready delivered)"),
     ("handoff_overhead", "handoff overhead"),
 )
+
+#: The phases that follow each other from dispatch to Ready delivered.
+CHAIN = ("compute", "handoff_prep", "transfer", "ready")
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:
@@ -94,21 +109,31 @@ def raw_copy_ms(nbytes: int, repeats: int = 5) -> float:
 def _phases(rec: Record, raw_ms: float) -> dict[str, float | None]:
     p, c = rec.producer, rec.consumer
     assert p is not None and c is not None
-    # The data is there when the consumer sees the last notice (push) or read
-    # (pull): the producer's own completion can come later than that.
-    landed = c.write_done if c.write_done is not None else p.write_done
-    transfer = _ms(p.write_started, landed)
-    end_to_end = _ms(p.kv_ready, c.ready)
+    ops = c.ops if c.ops is not None else p.ops  # pull: the decode reads
+    moving = None if ops is None else ops.planned
+    landed = c.notice_seen if c.notice_seen is not None else (c.ops.done if c.ops else None)
+    end_to_end = _ms(p.kv_ready, c.delivered)
     return {
         "registration": _ms(c.reserved, p.registration_received),
         "compute": _ms(rec.dispatched, p.kv_ready),
-        "handoff_prep": _ms(p.kv_ready, p.write_started),
-        "transfer": transfer,
-        "ready": _ms(landed, c.ready),
-        "ttft": _ms(rec.dispatched, c.ready),
-        # KV ready at prefill -> ready at decode, minus a raw copy of the bytes.
+        "handoff_prep": _ms(p.kv_ready, moving),
+        "planning": None if ops is None else ops.planning * 1e3,
+        "transfer": _ms(moving, landed),
+        "posting": None if ops is None else ops.posting * 1e3,
+        "ready": _ms(landed, c.delivered),
+        "ttft": _ms(rec.dispatched, c.delivered),
+        # KV ready at prefill -> Ready delivered at decode, minus a raw copy.
         "handoff_overhead": None if end_to_end is None else end_to_end - raw_ms,
     }
+
+
+def sum_error(phases: dict[str, float | None]) -> float | None:
+    """``|sum of the chained phases - TTFT| / TTFT`` (``None``: a stamp is missing)."""
+    parts = [phases[k] for k in CHAIN]
+    ttft = phases["ttft"]
+    if ttft is None or not ttft > 0 or any(v is None for v in parts):
+        return None
+    return abs(sum(v for v in parts if v is not None) - ttft) / ttft
 
 
 def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str, Any]:
@@ -125,10 +150,18 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
     samples: dict[str, list[float]] = {key: [] for key, _ in PHASES}
     per_request = result.plan.blocks_per_request * model.block_bytes
     raw_ms = raw_copy_ms(per_request)
+    errors: list[float] = []
+    unstamped = 0
     for r in ok:
-        for key, value in _phases(r, raw_ms).items():
+        phases = _phases(r, raw_ms)
+        for key, value in phases.items():
             if value is not None:
                 samples[key].append(value)
+        error = sum_error(phases)
+        if error is None:
+            unstamped += 1
+        else:
+            errors.append(error)
     nbytes = len(ok) * result.plan.blocks_per_request * model.block_bytes
     leaked = sum(s.endpoint_blocks + s.pool_blocks for s in result.stats.values())
     instances, pairs = _instances(result, ok)
@@ -152,6 +185,8 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
         "ttft_ms": percentiles(samples["ttft"]),
         "handoff_overhead_ms": percentiles(samples["handoff_overhead"]),
         "phases_ms": {key: percentiles(samples[key]) for key, _ in PHASES},
+        "phase_sum_error": round(max(errors), 6) if errors else None,
+        "unstamped": unstamped,
         "bytes": nbytes,
         "wall_s": round(result.wall, 4),
         "gbps": round(nbytes * 8 / 1e9 / result.wall, 4) if result.wall > 0 else 0.0,
@@ -205,7 +240,11 @@ def problems(summary: dict[str, Any]) -> list[str]:
     out = []
     if summary["completed"] != summary["requests"]:
         out.append(f"{summary['failed']} of {summary['requests']} requests failed")
+    error = summary["phase_sum_error"]
+    if error is not None and error > 0.01:
+        out.append(f"the phases miss TTFT by {error:.1%} in a request")
     for key, what in (
+        ("unstamped", "completed requests without every timeline stamp"),
         ("corrupt_blocks", "corrupt blocks"),
         ("leaked_blocks", "leaked blocks"),
         ("leftover_segments", "leftover shared-memory segments"),
@@ -255,6 +294,7 @@ def render(summary: dict[str, Any]) -> Any:
         ("requests", f"{summary['completed']} / {summary['requests']} completed"),
         ("failed", f"{summary['failed']}" + (f" ({reasons})" if reasons else "")),
         ("corrupt blocks", str(summary["corrupt_blocks"])),
+        ("phases vs TTFT", _gap(summary["phase_sum_error"], summary["unstamped"])),
         ("leaked blocks", str(summary["leaked_blocks"])),
         ("bytes moved", f"{mib:,.1f} MiB"),
         ("throughput", f"{summary['gbps']:.3f} Gbit/s over {summary['wall_s']:.2f} s"),
@@ -279,3 +319,9 @@ def render(summary: dict[str, Any]) -> Any:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _gap(error: float | None, unstamped: int) -> str:
+    """The phase check as a totals row."""
+    text = "-" if error is None else f"sum within {error:.3%} per request"
+    return text + (f" ({unstamped} unstamped)" if unstamped else "")

@@ -19,6 +19,7 @@ __all__ = (
     "Finish",
     "LeaderError",
     "LeaderUp",
+    "OpsSummary",
     "PeerUp",
     "ProducerResult",
     "RankReply",
@@ -127,6 +128,19 @@ class LeaderError:
 
 
 @dataclass(frozen=True, slots=True)
+class OpsSummary:
+    """One side's data-plane stamps of a transfer's writes or reads."""
+
+    #: When the last op's plan was done (the transport was asked to move it).
+    planned: float
+    #: The longest planning and the longest post call, in seconds.
+    planning: float
+    posting: float
+    #: When the data plane saw the last op settle.
+    done: float
+
+
+@dataclass(frozen=True, slots=True)
 class ProducerResult:
     """Prefill: the source blocks of a transfer were released."""
 
@@ -138,6 +152,9 @@ class ProducerResult:
     kv_ready: float | None
     write_started: float | None
     write_done: float | None
+    #: Push, from the data plane's stamps of the writes: the last plan done,
+    #: the longest planning and posting (seconds), the last write settled.
+    ops: OpsSummary | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +170,12 @@ class ConsumerResult:
     #: The last completion notice (push) or read (pull) that landed.
     write_done: float | None
     ready: float | None
+    #: Push: when the data plane polled the last notice. Pull: None.
+    notice_seen: float | None = None
+    #: Pull, from the data plane's stamps of the reads (as ProducerResult's).
+    ops: OpsSummary | None = None
+    #: When the runtime handed the Ready to the leader.
+    delivered: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

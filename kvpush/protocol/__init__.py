@@ -63,7 +63,7 @@ from ._outputs import (
 from ._plan import TransferPlan, TransferPlanner, plan_transfer
 from ._producer import Producer
 from ._tables import CState, PeerState, PState
-from ._timeline import Timeline
+from ._timeline import OpStamps, Timeline
 from ._topology import HeadSlice, Route, Topology, compute_topology
 from ._types import (
     MAX_DETAIL_LEN,
@@ -113,6 +113,7 @@ __all__ = (
     "LocalProtocolError",
     "MemoryType",
     "Mode",
+    "OpStamps",
     "Output",
     "PState",
     "PeerFailed",

@@ -26,14 +26,45 @@ class Timing:
     ``max_transit``: a control frame is delivered within this many seconds of
     being sent, or never (the runtime drops older frames). ``op_bound``: a
     posted write or read settles (lands or dies) within this many seconds.
+
+    The handshake's liveness (no safety rests on these): an unanswered hello
+    is sent again after ``hello_retry`` seconds, then after twice that, and so
+    on up to ``hello_retry_max`` between two; after ``hello_retries`` resends
+    the handshake waits for the next reservation or connection. (Defaults: 1,
+    2, 4, 8, 8, ... s, 8 resends, about 47 s, longer than the default
+    ``ready_timeout``.)
+
+    ``stall_window``: after the runtime reports a stall (``stalled()``),
+    lease-bearing messages received within this many seconds are dropped;
+    ``None`` means ``max_transit / 2`` (:attr:`stall_guard`).
     """
 
     max_transit: float = 2.0
     op_bound: float = 10.0
+    hello_retry: float = 1.0
+    hello_retry_max: float = 8.0
+    hello_retries: int = 8
+    stall_window: float | None = None
 
     def __post_init__(self) -> None:
         _positive("max_transit", self.max_transit)
         _positive("op_bound", self.op_bound)
+        _positive("hello_retry", self.hello_retry)
+        _positive("hello_retry_max", self.hello_retry_max)
+        if self.hello_retry_max < self.hello_retry:
+            raise ConfigError("hello_retry_max must be >= hello_retry")
+        if type(self.hello_retries) is not int or not 0 <= self.hello_retries <= 1000:
+            raise ConfigError(
+                f"hello_retries must be an int in [0, 1000], got {self.hello_retries!r}"
+            )
+        if self.stall_window is not None:
+            _positive("stall_window", self.stall_window)
+
+    @property
+    def stall_guard(self) -> float:
+        """Seconds after a reported stall during which lease-bearing messages
+        are dropped (``stall_window``, else ``max_transit / 2``)."""
+        return self.max_transit / 2 if self.stall_window is None else self.stall_window
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ._config import ConsumerConfig
-from ._endpoint import Endpoint
+from ._endpoint import Endpoint, Timer
 from ._errors import LocalProtocolError
 from ._messages import (
     Abort,
@@ -29,12 +29,13 @@ from ._messages import (
 )
 from ._outputs import Failed, Ready, Released, Send, StartRead
 from ._tables import CONSUMER_PULL, CONSUMER_PUSH, CInput, CState, PeerState
-from ._timeline import Timeline, TimelineBuilder
+from ._timeline import OpStamps, Timeline, TimelineBuilder
 from ._topology import Topology
 from ._types import (
     BlockIds,
     FailureReason,
     Mode,
+    RejectReason,
     Role,
     Source,
     check_blocks,
@@ -91,12 +92,12 @@ _FAILURE = {
 _LIVE = frozenset((CState.WAITING_PEER, CState.AWAITING, CState.READING))
 
 #: Timers each state keeps armed (everything else is cancelled on entry).
-_TIMERS: dict[CState, tuple[str, ...]] = {
-    CState.WAITING_PEER: ("deadline",),
-    CState.AWAITING: ("deadline",),
-    CState.READING: ("deadline", "op"),
-    CState.READ_DRAIN: ("op",),
-    CState.DRAINING: ("quarantine",),
+_TIMERS: dict[CState, tuple[Timer, ...]] = {
+    CState.WAITING_PEER: (Timer.DEADLINE,),
+    CState.AWAITING: (Timer.DEADLINE,),
+    CState.READING: (Timer.DEADLINE, Timer.OP),
+    CState.READ_DRAIN: (Timer.OP,),
+    CState.DRAINING: (Timer.QUARANTINE,),
 }
 
 
@@ -122,7 +123,7 @@ class _Reservation:
     failed: bool = False
     #: Pull: what to tell the producer once our reads settle.
     after_reads: CInput | None = None
-    timers: dict[str, float] = field(default_factory=dict)
+    timers: dict[Timer, float] = field(default_factory=dict)
 
 
 class Consumer(Endpoint):
@@ -137,7 +138,7 @@ class Consumer(Endpoint):
     role = Role.CONSUMER
 
     def __init__(self, config: ConsumerConfig) -> None:
-        super().__init__(config.identity, config.timing.op_bound)
+        super().__init__(config.identity, config.timing)
         self.config = config
         self._res: dict[tuple[str, int], _Reservation] = {}
         self._live: dict[str, _Reservation] = {}
@@ -221,6 +222,10 @@ class Consumer(Endpoint):
             self._step(now, rec, CInput.PEER_READY)
         elif view is None or view.state is PeerState.DISCONNECTED:
             self.connect(now, peer)
+        elif view.state is PeerState.HELLO_SENT and not self._retrying(peer):
+            # Our hello went unanswered through every retry: try again now.
+            self._counters["hello_restarted_by_reserve"] += 1
+            self.connect(now, peer)
         return Reserved(transfer_id, rec.epoch)
 
     def preempt(self, now: float, transfer_id: str) -> bool:
@@ -244,10 +249,23 @@ class Consumer(Endpoint):
         self._step(now, rec, CInput.ABORT)
         return True
 
-    def completion_received(self, now: float, notice: Completion) -> None:
+    def completion_received(
+        self, now: float, peer: str | None, notice: Completion, *, seen: float | None = None
+    ) -> None:
         """A data-plane completion notice arrived at consumer rank
-        ``notice.consumer_rank`` (its data is visible)."""
+        ``notice.consumer_rank`` (its data is visible), delivered by a rank of
+        producer ``peer``: the peer whose handshake introduced the transport
+        agent that sent it (``None``: an agent no handshake introduced).
+
+        A notice counts only for a reservation registered with that same
+        producer: in xPyD another producer's notice, MAC and all, is counted
+        (``completion_wrong_sender``) and ignored, like a stale one. ``seen``:
+        when the data plane polled the notice (for the timeline's
+        ``notice_seen``; it can be earlier than ``now``)."""
         rec = self._res.get((notice.transfer_id, notice.epoch))
+        if rec is not None and rec.peer != peer:
+            self._counters["completion_wrong_sender"] += 1
+            return
         pair = self._valid_pair(rec, notice.source, notice.consumer_rank, "completion")
         if rec is None or pair is None:
             return
@@ -260,6 +278,8 @@ class Consumer(Endpoint):
         rec.settled.add(pair)
         rec.done.add(pair)
         rec.timeline.write_done[pair] = now
+        if seen is not None:
+            rec.timeline.notice_seen[pair] = seen
         total = rec.total
         if rec.state is CState.AWAITING:
             last = len(rec.done) == total
@@ -278,8 +298,13 @@ class Consumer(Endpoint):
         source: Source,
         consumer_rank: int,
         ok: bool,
+        *,
+        stamps: OpStamps | None = None,
     ) -> None:
-        """Pull: the transport finished (``ok``) or failed one :class:`StartRead`."""
+        """Pull: the transport finished (``ok``) or failed one :class:`StartRead`.
+        ``stamps``: when the data plane planned, posted and saw it finish (for
+        the timeline's ``ops``)."""
+        stamps = None if stamps is None else stamps.check()
         rec = self._res.get((transfer_id, epoch))
         pair = self._valid_pair(rec, source, consumer_rank, "read")
         if rec is None or pair is None:
@@ -291,6 +316,8 @@ class Consumer(Endpoint):
         if ok:
             rec.done.add(pair)
             rec.timeline.write_done[pair] = now
+            if stamps is not None:
+                rec.timeline.ops[pair] = stamps
         total = rec.total
         if len(rec.settled) == total:
             inp = CInput.READS_OK if len(rec.done) == total else CInput.READS_SETTLED
@@ -313,6 +340,11 @@ class Consumer(Endpoint):
         if not isinstance(message, (Settled, Rejected, WriteFailed, Announce)):
             self._counters[f"unexpected_{type(message).__name__}"] += 1
             return
+        if isinstance(message, Rejected) and message.reason is RejectReason.UNKNOWN_PEER:
+            # The producer lost our handshake (it saw the connection die, we
+            # did not): introduce ourselves again; it answers every hello.
+            self._counters["hello_resent_unknown_peer"] += 1
+            self._out.append(Send(peer, self._hello))
         rec = self._res.get((message.transfer_id, message.epoch))
         if rec is None or rec.peer != peer:
             self._counters[f"stale_{type(message).__name__}"] += 1
@@ -379,18 +411,18 @@ class Consumer(Endpoint):
 
     # --- timers ---------------------------------------------------------------------
 
-    def _timers_of(self, key: Hashable) -> dict[str, float] | None:
+    def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
         rec = self._res.get(key)  # type: ignore[call-overload]
         return rec.timers if rec is not None else None
 
-    def _fire(self, now: float, kind: str, key: Hashable) -> None:
+    def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
         rec = self._res[key]  # type: ignore[index]
         del rec.timers[kind]
-        if kind == "deadline":
+        if kind is Timer.DEADLINE:
             self._step(now, rec, CInput.DEADLINE)
-        elif kind == "quarantine":
+        elif kind is Timer.QUARANTINE:
             self._step(now, rec, CInput.QUARANTINE)
-        else:  # "op": reads past their bound are dead
+        else:  # Timer.OP: reads past their bound are dead
             self._counters["read_timeout"] += 1
             self._step(now, rec, CInput.READS_SETTLED)
 
@@ -398,9 +430,9 @@ class Consumer(Endpoint):
         old, rec.timers = rec.timers, {}
         key = (rec.transfer_id, rec.epoch)
         for kind in _TIMERS.get(rec.state, ()):
-            if kind == "deadline":
+            if kind is Timer.DEADLINE:
                 when = rec.deadline
-            elif kind == "op":
+            elif kind is Timer.OP:
                 when = rec.op_deadline
             else:
                 when = rec.quarantine_at

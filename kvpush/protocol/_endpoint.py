@@ -3,21 +3,44 @@ the output queue and the counters."""
 
 from __future__ import annotations
 
+import enum
 import heapq
+import math
 from collections import Counter
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ._config import Identity
+from ._config import Identity, Timing
 from ._errors import IncompatiblePeerError, LocalProtocolError, TopologyError
-from ._messages import ControlMessage, Heartbeat, Hello, HelloReject
+from ._messages import Announce, ControlMessage, Heartbeat, Hello, HelloReject, Register
 from ._outputs import Output, PeerFailed, PeerReady, Send
 from ._tables import PEER, PeerInput, PeerState
 from ._topology import Topology, compute_topology
 from ._types import FailureReason, Role
 
-__all__ = ("Endpoint", "PeerView", "check_compatible")
+__all__ = ("Endpoint", "PeerView", "Timer", "check_compatible")
+
+
+class Timer(enum.Enum):
+    """The kinds of timer an endpoint arms (one heap, lazily invalidated)."""
+
+    __hash__ = object.__hash__  # hashed by identity, like the table enums
+
+    #: Consumer: the reservation is not ready in time.
+    DEADLINE = "deadline"
+    #: Posted reads (consumer) or writes (producer) past their bound are dead.
+    OP = "op"
+    #: No write (consumer) or read (producer) of the epoch can land any more.
+    QUARANTINE = "quarantine"
+    #: Producer: forget an unused record or a tombstone.
+    EXPIRE = "expire"
+    #: Producer: a waiting registration's lease ran out.
+    LEASE = "lease"
+    #: Producer: ready KV found no usable registration in time.
+    HOLD = "hold"
+    #: Handshake: our hello went unanswered; send it again (``HELLO_SENT``).
+    HELLO_RETRY = "hello_retry"
 
 
 def check_compatible(local: Hello, remote: Hello) -> Topology:
@@ -63,11 +86,20 @@ class PeerView:
     hello: Hello | None = None
     topology: Topology | None = None
     failure: tuple[str, str] | None = None
+    #: Hellos sent since the handshake last (re)started: 1 + retries so far.
+    attempts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerKey:
+    """The timer key of a peer's handshake (never equal to a record's key)."""
+
+    peer: str
 
 
 #: A heap entry: (when, seq, kind, key). A plain tuple, so the heap compares in C;
 #: ``seq`` is unique, so ``kind`` and ``key`` are never compared.
-_TimerEntry = tuple[float, int, str, Hashable]
+_TimerEntry = tuple[float, int, Timer, Hashable]
 
 
 class Endpoint:
@@ -75,14 +107,21 @@ class Endpoint:
 
     role: Role
 
-    def __init__(self, identity: Identity, op_bound: float) -> None:
+    def __init__(self, identity: Identity, timing: Timing) -> None:
         self.identity = identity
-        self._hello = identity.hello(self.role, op_bound)
+        self._timing = timing
+        self._hello = identity.hello(self.role, timing.op_bound)
         self._out: list[Output] = []
         self._counters: Counter[str] = Counter()
         self._peers: dict[str, PeerView] = {}
+        #: Per peer: its armed handshake timer (at most ``HELLO_RETRY``).
+        self._peer_timers: dict[str, dict[Timer, float]] = {}
         self._heap: list[_TimerEntry] = []
         self._seq = 0
+        #: Lease-bearing messages received up to this time are refused (a stall).
+        self._stall_until = -math.inf
+        #: Lease-bearing messages refused after a stall (also ``stats()``).
+        self.stall_dropped = 0
 
     # --- outputs and statistics ---------------------------------------------
 
@@ -98,7 +137,7 @@ class Endpoint:
     def peer(self, peer: str) -> PeerView:
         """A copy of what this endpoint knows about ``peer``."""
         view = self._peers.get(peer, PeerView())
-        return PeerView(view.state, view.hello, view.topology, view.failure)
+        return PeerView(view.state, view.hello, view.topology, view.failure, view.attempts)
 
     # --- timers -----------------------------------------------------------------
 
@@ -118,40 +157,104 @@ class Endpoint:
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             if self._timer_valid(entry):
-                self._fire(now, entry[2], entry[3])
+                key = entry[3]
+                if type(key) is _PeerKey:
+                    self._fire_peer(now, entry[2], key.peer)
+                else:
+                    self._fire(now, entry[2], key)
 
-    def _arm(self, timers: dict[str, float], kind: str, when: float, key: Hashable) -> None:
+    def _arm(self, timers: dict[Timer, float], kind: Timer, when: float, key: Hashable) -> None:
         timers[kind] = when
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, kind, key))
 
     def _timer_valid(self, entry: _TimerEntry) -> bool:
         when, _, kind, key = entry
-        timers = self._timers_of(key)
+        timers = (
+            self._peer_timers.get(key.peer) if isinstance(key, _PeerKey) else self._timers_of(key)
+        )
         return timers is not None and timers.get(kind) == when
 
-    def _timers_of(self, key: Hashable) -> dict[str, float] | None:
+    def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
         raise NotImplementedError
 
-    def _fire(self, now: float, kind: str, key: Hashable) -> None:
+    def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
         raise NotImplementedError
+
+    # --- process stalls -------------------------------------------------------
+
+    def stalled(self, now: float, gap: float) -> None:
+        """The runtime noticed that this process (or its event loop) did not
+        run for ``gap`` seconds, up to ``now``.
+
+        A lease crosses machines as a duration measured from *receipt*, and the
+        safety argument needs receipt within ``max_transit`` of sending. A frame
+        that reached the kernel during the gap is read late, and a lease
+        measured from then would outlive the peer's quarantine. So every
+        lease-bearing message (``Register``, ``Announce``) received until
+        ``now + timing.stall_guard`` is dropped (counted ``dropped_after_stall``):
+        the peer's deadline fails that transfer, as for any lost frame. Feed
+        this before the frames read after the gap."""
+        if not (math.isfinite(now) and math.isfinite(gap)) or gap <= 0:
+            raise LocalProtocolError(f"stalled() needs a finite gap > 0, got {gap!r}")
+        self._counters["stalls"] += 1
+        self._stall_until = max(self._stall_until, now + self._timing.stall_guard)
+
+    # --- handshake ----------------------------------------------------------
+
+    def _send_hello(self, now: float, peer: str, view: PeerView, *, fresh: bool) -> None:
+        """Queue our hello to ``peer`` and arm its retry (``fresh``: restart the
+        backoff). Retries back off from ``timing.hello_retry`` doubling up to
+        ``timing.hello_retry_max``; after ``timing.hello_retries`` of them the
+        handshake waits for the next reservation or connection."""
+        if fresh:
+            view.attempts = 0
+        view.attempts += 1
+        self._out.append(Send(peer, self._hello))
+        timers = self._peer_timers.setdefault(peer, {})
+        timers.clear()
+        timing = self._timing
+        if view.attempts > timing.hello_retries:
+            self._counters["hello_retries_exhausted"] += 1
+            return
+        delay = min(timing.hello_retry * 2.0 ** (view.attempts - 1), timing.hello_retry_max)
+        self._arm(timers, Timer.HELLO_RETRY, now + delay, _PeerKey(peer))
+
+    def _retrying(self, peer: str) -> bool:
+        """Whether ``peer``'s handshake has a retry armed."""
+        return bool(self._peer_timers.get(peer))
+
+    def _fire_peer(self, now: float, kind: Timer, peer: str) -> None:
+        del self._peer_timers[peer][kind]
+        view = self._peers[peer]
+        if self._peer_step(peer, view, PeerInput.RETRY) is PeerState.HELLO_SENT:
+            self._counters["hello_retry"] += 1
+            self._send_hello(now, peer, view, fresh=False)
 
     # --- handshake ----------------------------------------------------------
 
     def connect(self, now: float, peer: str) -> None:
-        """Start (or restart) the handshake with ``peer``: queues our hello."""
+        """Start (or restart) the handshake with ``peer``: queues our hello and
+        arms its retry (see :class:`~kvpush.Timing`)."""
         view = self._peers.setdefault(peer, PeerView())
-        if self._peer_step(view, PeerInput.CONNECT) is not PeerState.READY:
-            self._out.append(Send(peer, self._hello))
+        if self._peer_step(peer, view, PeerInput.CONNECT) is not PeerState.READY:
+            self._send_hello(now, peer, view, fresh=True)
 
     def connection_up(self, now: float, peer: str) -> None:
         """A control connection to ``peer`` came up (the runtime saw it). If a
         loss ended our handshake with ``peer``, restart it now rather than at
         the next reservation: a peer that restarted learns who we are, and we
-        learn its new instance before anything is registered with it."""
+        learn its new instance before anything is registered with it. If our
+        hello is still unanswered, send it again on the new connection (the
+        first may have died in the old one's queue), backoff restarted."""
         view = self._peers.get(peer)
-        if view is not None and view.state is PeerState.DISCONNECTED:
+        if view is None:
+            return
+        if view.state is PeerState.DISCONNECTED:
             self.connect(now, peer)
+        elif view.state is PeerState.HELLO_SENT:
+            self._counters["hello_resent_on_connect"] += 1
+            self._send_hello(now, peer, view, fresh=True)
 
     def peer_lost(self, now: float, peer: str) -> None:
         """The control connection to ``peer`` is gone (the runtime decided)."""
@@ -159,18 +262,24 @@ class Endpoint:
         if view is None:
             self._counters["peer_lost_unknown"] += 1
             return
-        self._peer_step(view, PeerInput.LOST)
+        self._peer_step(peer, view, PeerInput.LOST)
         view.hello = None
         view.topology = None
         self._on_peer_down(now, peer, FailureReason.PEER_LOST, "connection lost")
 
     def receive(self, now: float, peer: str, message: ControlMessage) -> None:
         """Feed a control message that arrived from ``peer``."""
-        if isinstance(message, Hello):
+        if now <= self._stall_until and isinstance(message, (Register, Announce)):
+            self._counters["dropped_after_stall"] += 1
+            self.stall_dropped += 1
+        elif isinstance(message, Hello):
             self._on_hello(now, peer, message)
         elif isinstance(message, HelloReject):
             view = self._peers.setdefault(peer, PeerView())
-            self._peer_step(view, PeerInput.REJECT)
+            if view.state is PeerState.FAILED and view.failure == (message.field, message.detail):
+                self._counters["hello_reject_duplicate"] += 1
+                return
+            self._peer_step(peer, view, PeerInput.REJECT)
             self._peer_failed(now, peer, view, message.field, message.detail)
         elif isinstance(message, Heartbeat):
             self._counters["heartbeat"] += 1
@@ -189,32 +298,41 @@ class Endpoint:
         if view.hello is not None and view.hello.instance != hello.instance:
             # The peer restarted: nothing of the old instance may be reused.
             self._counters["peer_restarted"] += 1
-            self._peer_step(view, PeerInput.LOST)
+            self._peer_step(peer, view, PeerInput.LOST)
             view.hello = view.topology = None
             self._on_peer_down(now, peer, FailureReason.PEER_LOST, "peer restarted")
         elif view.state is PeerState.READY:
+            # The consumer starts the handshake and retries it; a retry means
+            # our answer was lost, so the producer answers every hello. The
+            # consumer answers none while ready, so no two sides ever bounce
+            # hellos back and forth.
             self._counters["hello_duplicate"] += 1
+            if self.role is Role.PRODUCER:
+                self._out.append(Send(peer, self._hello))
             return
         try:
             topology = check_compatible(self._hello, hello)
         except IncompatiblePeerError as exc:
-            self._peer_step(view, PeerInput.HELLO_BAD)
+            self._peer_step(peer, view, PeerInput.HELLO_BAD)
             self._out.append(Send(peer, HelloReject(exc.field, exc.detail)))
             self._peer_failed(now, peer, view, exc.field, exc.detail)
             return
-        if self._peer_step(view, PeerInput.HELLO_OK) is not PeerState.HELLO_SENT:
+        if self._peer_step(peer, view, PeerInput.HELLO_OK) is not PeerState.HELLO_SENT:
             self._out.append(Send(peer, self._hello))
         view.hello, view.topology, view.failure = hello, topology, None
         self._out.append(PeerReady(peer, topology))
         self._on_peer_ready(now, peer)
 
-    def _peer_step(self, view: PeerView, inp: PeerInput) -> PeerState:
-        """Apply ``inp`` to ``view``; returns the *old* state."""
+    def _peer_step(self, peer: str, view: PeerView, inp: PeerInput) -> PeerState:
+        """Apply ``inp`` to ``view``; returns the *old* state. Leaving
+        ``HELLO_SENT`` cancels the hello's retry."""
         old = view.state
         new = PEER.get((old, inp))
         if new is None:  # pragma: no cover - the peer table is total
             raise LocalProtocolError(f"peer input {inp.name} in state {old.name}")
         view.state = new
+        if old is PeerState.HELLO_SENT and new is not PeerState.HELLO_SENT:
+            self._peer_timers.pop(peer, None)
         return old
 
     def _peer_failed(self, now: float, peer: str, view: PeerView, fld: str, detail: str) -> None:

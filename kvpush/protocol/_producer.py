@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ._config import ProducerConfig
-from ._endpoint import Endpoint
+from ._endpoint import Endpoint, Timer
 from ._errors import LocalProtocolError
 from ._layout import KVLayout
 from ._messages import (
@@ -28,7 +28,7 @@ from ._messages import (
 )
 from ._outputs import ReleaseOutcome, Send, SourceReleased, StartWrite
 from ._tables import PRODUCER, PInput, PState
-from ._timeline import Timeline, TimelineBuilder
+from ._timeline import OpStamps, Timeline, TimelineBuilder
 from ._types import (
     BlockIds,
     FailureReason,
@@ -45,14 +45,14 @@ __all__ = ("Producer",)
 Pair = tuple[Source, int]
 
 #: Timers each state keeps armed (everything else is cancelled on entry).
-_TIMERS: dict[PState, str] = {
-    PState.IDLE: "expire",
-    PState.WAIT_KV: "lease",
-    PState.HOLDING: "hold",
-    PState.WRITING: "op",
-    PState.DRAINING: "op",
-    PState.LENT: "quarantine",
-    PState.RELEASED: "expire",
+_TIMERS: dict[PState, Timer] = {
+    PState.IDLE: Timer.EXPIRE,
+    PState.WAIT_KV: Timer.LEASE,
+    PState.HOLDING: Timer.HOLD,
+    PState.WRITING: Timer.OP,
+    PState.DRAINING: Timer.OP,
+    PState.LENT: Timer.QUARANTINE,
+    PState.RELEASED: Timer.EXPIRE,
 }
 
 
@@ -92,7 +92,7 @@ class _Transfer:
     op_deadline: float = 0.0
     quarantine_at: float = 0.0
     expires_at: float = 0.0
-    timers: dict[str, float] = field(default_factory=dict)
+    timers: dict[Timer, float] = field(default_factory=dict)
 
 
 def _inside(blocks: BlockIds, layout: KVLayout | None) -> bool:
@@ -116,7 +116,7 @@ class Producer(Endpoint):
     role = Role.PRODUCER
 
     def __init__(self, config: ProducerConfig) -> None:
-        super().__init__(config.identity, config.timing.op_bound)
+        super().__init__(config.identity, config.timing)
         self.config = config
         self._tx: dict[str, _Transfer] = {}
         self._held_blocks = 0
@@ -172,10 +172,20 @@ class Producer(Endpoint):
         return known
 
     def write_done(
-        self, now: float, transfer_id: str, epoch: int, source: Source, consumer_rank: int
+        self,
+        now: float,
+        transfer_id: str,
+        epoch: int,
+        source: Source,
+        consumer_rank: int,
+        *,
+        stamps: OpStamps | None = None,
     ) -> None:
-        """The transport finished one :class:`StartWrite` (its notice was sent)."""
-        self._write_result(now, transfer_id, epoch, (source, consumer_rank), "")
+        """The transport finished one :class:`StartWrite` (its notice was sent).
+        ``stamps``: when the data plane planned, posted and saw it finish (for
+        the timeline's ``ops``)."""
+        stamps = None if stamps is None else stamps.check()
+        self._write_result(now, transfer_id, epoch, (source, consumer_rank), "", stamps)
 
     def write_failed(
         self,
@@ -195,8 +205,19 @@ class Producer(Endpoint):
 
     def _on_unready_message(self, now: float, peer: str, message: ControlMessage) -> None:
         if isinstance(message, Register):
-            reject = Rejected(message.transfer_id, message.epoch, RejectReason.UNKNOWN_PEER)
+            tid = message.transfer_id
+            reject = Rejected(tid, message.epoch, RejectReason.UNKNOWN_PEER)
             self._out.append(Send(peer, reject))
+            # The consumer releases those blocks on this answer, so no copy of
+            # this registration (duplicated, or delayed past a redone
+            # handshake) may be served: remember its epoch, as for an unknown
+            # Withdraw (the record expires after tombstone_ttl > max_transit).
+            rec = self._tx.get(tid)
+            if rec is None:
+                rec = self._get(now, tid)
+                rec.peer = peer
+            if rec.peer == peer:
+                rec.max_epoch = max(rec.max_epoch, message.epoch)
 
     def _on_message(self, now: float, peer: str, message: ControlMessage) -> None:
         if isinstance(message, Register):
@@ -237,14 +258,26 @@ class Producer(Endpoint):
                 rec.ending = ReleaseOutcome.ABORTED
             rec.owe.add(epoch)
             released = rec.state is PState.RELEASED
-            self._step(now, rec, PInput.PEER_ABORT, remote=True)
+            # Pull: an Abort of a newer epoch than the lent one (the consumer
+            # preempted while reading, reserved again, then gave up) ends the
+            # transfer, but the lent epoch's reads may still run: the KV stays
+            # lent until they settle (its ReadDone, Withdraw or Abort) or its
+            # quarantine passes.
+            newer = rec.state is PState.LENT and rec.reg is not None and rec.reg.epoch != epoch
+            if newer and rec.pending is not None and rec.pending.epoch == epoch:
+                rec.pending = None  # the consumer ended it: no Rejected owed
+            inp = PInput.PEER_ABORT_NEWER if newer else PInput.PEER_ABORT
+            self._step(now, rec, inp, remote=True)
             if released:  # a tombstone has nothing in flight: acknowledge at once
                 self._send_owed(rec)
         elif rec.pending is not None and rec.pending.epoch == epoch:
             rec.pending = None
             self._out.append(Send(peer, Settled(rec.transfer_id, epoch)))
         elif rec.reg is not None and rec.reg.epoch == epoch and not rec.withdrawn:
-            self._step(now, rec, PInput.WITHDRAW, remote=True)
+            # Lent, with the transfer already over: the end of that epoch's
+            # reads is all we waited for.
+            over = rec.state is PState.LENT and rec.ending is not None
+            self._step(now, rec, PInput.READ_DONE if over else PInput.WITHDRAW, remote=True)
         elif self._in_flight(rec, epoch):
             self._counters["withdraw_duplicate"] += 1
         else:
@@ -326,22 +359,22 @@ class Producer(Endpoint):
 
     # --- timers ---------------------------------------------------------------------
 
-    def _timers_of(self, key: Hashable) -> dict[str, float] | None:
+    def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
         rec = self._tx.get(key)  # type: ignore[call-overload]
         return rec.timers if rec is not None else None
 
-    def _fire(self, now: float, kind: str, key: Hashable) -> None:
+    def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
         rec = self._tx[key]  # type: ignore[index]
         del rec.timers[kind]
-        if kind == "expire":
+        if kind is Timer.EXPIRE:
             self._step(now, rec, PInput.EXPIRED)
-        elif kind == "lease":
+        elif kind is Timer.LEASE:
             self._step(now, rec, PInput.LEASE_EXPIRED)
-        elif kind == "hold":
+        elif kind is Timer.HOLD:
             self._step(now, rec, PInput.HOLD_EXPIRED)
-        elif kind == "quarantine":
+        elif kind is Timer.QUARANTINE:
             self._step(now, rec, PInput.QUARANTINE)
-        else:  # "op": writes past their bound are dead
+        else:  # Timer.OP: writes past their bound are dead
             assert rec.reg is not None
             epoch = rec.reg.epoch
             self._counters["write_timeout"] += 1
@@ -356,7 +389,7 @@ class Producer(Endpoint):
             rec = _Transfer(transfer_id, TimelineBuilder(transfer_id))
             rec.expires_at = now + self.config.tombstone_ttl
             self._tx[transfer_id] = rec
-            self._arm(rec.timers, "expire", rec.expires_at, transfer_id)
+            self._arm(rec.timers, Timer.EXPIRE, rec.expires_at, transfer_id)
         return rec
 
     def _in_flight(self, rec: _Transfer, epoch: int) -> bool:
@@ -372,7 +405,13 @@ class Producer(Endpoint):
         self._step(now, rec, PInput.RENDEZVOUS_PUSH if push else PInput.RENDEZVOUS_PULL)
 
     def _write_result(
-        self, now: float, transfer_id: str, epoch: int, pair: Pair, detail: str
+        self,
+        now: float,
+        transfer_id: str,
+        epoch: int,
+        pair: Pair,
+        detail: str,
+        stamps: OpStamps | None = None,
     ) -> None:
         rec = self._tx.get(transfer_id)
         if rec is None or not self._in_flight(rec, epoch) or pair not in rec.inflight:
@@ -387,6 +426,8 @@ class Producer(Endpoint):
                 self._out.append(Send(rec.reg.peer, failed))
         else:
             rec.timeline.write_done[pair] = now
+            if stamps is not None:
+                rec.timeline.ops[pair] = stamps
         if rec.inflight:  # not the last: no side effects, the table keeps the state
             self._step(now, rec, PInput.WRITE_SETTLED)
             return
@@ -463,7 +504,7 @@ class Producer(Endpoint):
             rec.reg = None
         elif inp is PInput.PEER_DOWN and old is PState.WAIT_KV:
             rec.reg = None
-        elif inp in (PInput.ABORT, PInput.PEER_ABORT):
+        elif inp in (PInput.ABORT, PInput.PEER_ABORT, PInput.PEER_ABORT_NEWER):
             self._abort_effects(rec, old, inp)
         elif inp is PInput.KV_READY and old is PState.IDLE:
             rec.hold_until = now + self.config.kv_hold_timeout
@@ -572,16 +613,16 @@ class Producer(Endpoint):
         if kind is None:
             rec.timers.clear()
             return
-        if kind == "expire":
+        if kind is Timer.EXPIRE:
             if rec.state is PState.IDLE and old is not PState.IDLE:
                 rec.expires_at = now + self.config.tombstone_ttl
             when = rec.expires_at
-        elif kind == "lease":
+        elif kind is Timer.LEASE:
             assert rec.reg is not None
             when = rec.reg.lease_until
-        elif kind == "hold":
+        elif kind is Timer.HOLD:
             when = rec.hold_until
-        elif kind == "op":
+        elif kind is Timer.OP:
             when = rec.op_deadline
         else:
             when = rec.quarantine_at

@@ -55,6 +55,7 @@ class PeerInput(_Enum):
     HELLO_BAD = "hello_bad"  #: remote: an incompatible hello
     REJECT = "reject"  #: remote: the peer refused our hello
     LOST = "lost"  #: local: the connection was lost
+    RETRY = "retry"  #: timer: our hello is unanswered; send it again
 
 
 PEER: Mapping[tuple[PeerState, PeerInput], PeerState] = {
@@ -63,21 +64,25 @@ PEER: Mapping[tuple[PeerState, PeerInput], PeerState] = {
     (PeerState.DISCONNECTED, PeerInput.HELLO_BAD): PeerState.FAILED,
     (PeerState.DISCONNECTED, PeerInput.REJECT): PeerState.FAILED,
     (PeerState.DISCONNECTED, PeerInput.LOST): PeerState.DISCONNECTED,
+    (PeerState.DISCONNECTED, PeerInput.RETRY): PeerState.DISCONNECTED,
     (PeerState.HELLO_SENT, PeerInput.CONNECT): PeerState.HELLO_SENT,
     (PeerState.HELLO_SENT, PeerInput.HELLO_OK): PeerState.READY,
     (PeerState.HELLO_SENT, PeerInput.HELLO_BAD): PeerState.FAILED,
     (PeerState.HELLO_SENT, PeerInput.REJECT): PeerState.FAILED,
     (PeerState.HELLO_SENT, PeerInput.LOST): PeerState.DISCONNECTED,
+    (PeerState.HELLO_SENT, PeerInput.RETRY): PeerState.HELLO_SENT,
     (PeerState.READY, PeerInput.CONNECT): PeerState.READY,
     (PeerState.READY, PeerInput.HELLO_OK): PeerState.READY,
     (PeerState.READY, PeerInput.HELLO_BAD): PeerState.FAILED,
     (PeerState.READY, PeerInput.REJECT): PeerState.FAILED,
     (PeerState.READY, PeerInput.LOST): PeerState.DISCONNECTED,
+    (PeerState.READY, PeerInput.RETRY): PeerState.READY,
     (PeerState.FAILED, PeerInput.CONNECT): PeerState.HELLO_SENT,
     (PeerState.FAILED, PeerInput.HELLO_OK): PeerState.READY,
     (PeerState.FAILED, PeerInput.HELLO_BAD): PeerState.FAILED,
     (PeerState.FAILED, PeerInput.REJECT): PeerState.FAILED,
     (PeerState.FAILED, PeerInput.LOST): PeerState.DISCONNECTED,
+    (PeerState.FAILED, PeerInput.RETRY): PeerState.FAILED,
 }
 
 
@@ -223,6 +228,7 @@ class PInput(_Enum):
     QUARANTINE = "quarantine"  #: timer (pull): no read can still be running
     ABORT = "abort"  #: local: abort the transfer
     PEER_ABORT = "peer_abort"  #: remote: the consumer aborted
+    PEER_ABORT_NEWER = "peer_abort_newer"  #: remote (pull): a newer epoch than the lent one aborted
     PEER_DOWN = "peer_down"  #: the consumer's connection was lost
     EXPIRED = "expired"  #: timer: forget this record
 
@@ -275,6 +281,7 @@ PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.LENT, _Q.QUARANTINE): _P.RELEASED,
     (_P.LENT, _Q.ABORT): _P.LENT,
     (_P.LENT, _Q.PEER_ABORT): _P.RELEASED,
+    (_P.LENT, _Q.PEER_ABORT_NEWER): _P.LENT,
     (_P.LENT, _Q.PEER_DOWN): _P.LENT,
     (_P.RELEASED, _Q.REGISTER): _P.RELEASED,
     (_P.RELEASED, _Q.KV_READY): _P.RELEASED,

@@ -31,6 +31,15 @@ logged and reported as :class:`Garbage`; the connection stays. A length prefix
 over the codec's ``max_frame_bytes`` (or a bad preamble) drops the connection;
 other peers never notice.
 
+Admission. A connection that has not sent its preamble holds one of at most
+``max_handshakes`` slots (at most ``max_handshakes_per_source`` per source
+address) for at most ``preamble_timeout`` seconds; a new connection that finds
+no room evicts the oldest waiting one of its own source (or of the busiest
+source), so a flood of slow or silent connections, even from a real peer's
+own address, cannot keep that peer out: its preamble comes with its first
+bytes. Refusals are counted by reason (``handshake_refusals``) and logged as
+one line of counts per ``refusal_log_interval`` (see :mod:`._channel_links`).
+
 Shutdown. Leaving the ``async with`` block (or :meth:`~ControlChannel.aclose`)
 fails every waiting :meth:`~ControlChannel.send` with :class:`ChannelClosed`,
 discards queued frames (counted), closes every socket and cancels every task;
@@ -71,7 +80,7 @@ from kvpush.protocol import (
     Timing,
 )
 
-from ._channel_links import _CLOSED, _NET_ERRORS, _NEW, _OPEN, _Links
+from ._channel_links import _CLOSED, _NET_ERRORS, _NEW, _OPEN, _Admission, _Links
 from ._channel_peer import _Conn, _Outbox, _Peer
 from ._channel_types import (
     Backoff,
@@ -121,6 +130,9 @@ class ControlChannel(_Links):
     ``Timing.max_transit`` (the receiving pump's ``stall_limit`` is the other
     half); ``idle_timeout`` (off by default) drops a connection that received
     nothing for that long (pair it with periodic Heartbeats).
+    ``max_handshakes``, ``max_handshakes_per_source``, ``preamble_timeout``
+    and ``refusal_log_interval`` bound the connections that have not yet sent
+    their preamble (module docs, "Admission").
     """
 
     def __init__(
@@ -138,11 +150,20 @@ class ControlChannel(_Links):
         max_age: float = Timing().max_transit / 2,
         max_events: int = 1024,
         idle_timeout: float | None = None,
+        max_handshakes: int = 64,
+        max_handshakes_per_source: int = 16,
+        preamble_timeout: float = 1.0,
+        refusal_log_interval: float = 10.0,
     ) -> None:
         self._name = _check_name("name", name)
         if not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a Codec, got {type(codec).__name__}")
-        for what, n in (("max_queue", max_queue), ("max_queue_bytes", max_queue_bytes)):
+        for what, n in (
+            ("max_queue", max_queue),
+            ("max_queue_bytes", max_queue_bytes),
+            ("max_handshakes", max_handshakes),
+            ("max_handshakes_per_source", max_handshakes_per_source),
+        ):
             if type(n) is not int or n < 1:
                 raise ConfigError(f"{what} must be a positive int, got {n!r}")
         if type(max_events) is not int or max_events < 1:
@@ -153,8 +174,12 @@ class ControlChannel(_Links):
             ("write_timeout", write_timeout),
             ("peer_lost_after", peer_lost_after),
             ("max_age", max_age),
+            ("preamble_timeout", preamble_timeout),
+            ("refusal_log_interval", refusal_log_interval),
         ):
             _positive(what, v)
+        if max_handshakes_per_source > max_handshakes:
+            raise ConfigError("max_handshakes_per_source must be <= max_handshakes")
         if idle_timeout is not None:
             _positive("idle_timeout", idle_timeout)
         if backoff is not None and not isinstance(backoff, Backoff):
@@ -182,7 +207,13 @@ class ControlChannel(_Links):
         self._listeners: list[anyio.abc.Listener[anyio.abc.SocketStream]] = []
         self._ports: list[int] = []
         self._sockets: set[anyio.abc.SocketStream] = set()
-        self._handshakes = 0
+        self._admission = _Admission(
+            self._name,
+            max_handshakes,
+            max_handshakes_per_source,
+            float(preamble_timeout),
+            float(refusal_log_interval),
+        )
         self._handshake_failures = 0
         self._garbage = 0
         self._discarded = 0
@@ -267,6 +298,7 @@ class ControlChannel(_Links):
             self._sockets.clear()
             if self._events_send is not None:
                 self._events_send.close()
+            self._admission.log_line(anyio.current_time())  # what the rate limit held back
             if self._stopped is not None:
                 with anyio.move_on_after(_CLOSE_GRACE):
                     await self._stopped.wait()
@@ -384,6 +416,9 @@ class ControlChannel(_Links):
             ports=tuple(self._ports),
             peers=MappingProxyType(peers),
             handshake_failures=self._handshake_failures,
+            handshake_refusals=MappingProxyType(dict(self._admission.refused)),
+            handshakes_waiting=len(self._admission.slots),
+            handshakes_waiting_peak=self._admission.peak,
             garbage=self._garbage,
             discarded=self._discarded,
             events_queued=events,

@@ -6,6 +6,21 @@ rules: at most one connection per peer, the smaller name's dial wins a race,
 a dial replaces a live connection only if it names it or comes from a new
 instance). Kept apart so each module reads in one sitting; the attributes
 and methods declared below belong to :class:`ControlChannel`.
+
+Admission. Before its preamble a connection is nobody's, and anyone who
+reaches the port can open one, so what it may hold is bounded in count and
+time (:class:`_Admission`): at most ``max_handshakes`` connections wait for
+their preamble at once, at most ``max_handshakes_per_source`` from one source
+address, each for at most ``preamble_timeout`` seconds. A new connection is
+never refused for want of room: the *oldest* waiting one of its source makes
+room (or, when the whole table is full, the oldest of the source that holds
+the most). A real peer sends its whole preamble with its first bytes, so it
+leaves the table within one turn of the event loop, long before
+``max_handshakes_per_source`` newer connections can push it out, even when it
+shares its address with the flood (loopback, a NAT). A flood of connections
+that send nothing, or a byte at a time, only ever evicts itself. Each refusal
+is counted by reason (``ChannelStatistics.handshake_refusals``) and logged at
+most once per ``refusal_log_interval`` seconds, as one line of counts.
 """
 
 from __future__ import annotations
@@ -13,19 +28,23 @@ from __future__ import annotations
 import logging
 import random
 import secrets
+from collections import Counter
 from typing import Final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
+from anyio.abc import SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from kvpush.protocol import Codec, RemoteProtocolError
+from kvpush.protocol import AuthenticationError, Codec, RemoteProtocolError
 
 from ._channel_peer import _Conn, _Peer
 from ._channel_types import Backoff, ChannelEvent
 from ._framing import (
     MAX_HANDSHAKE_BYTES,
     Ack,
+    FramingError,
     Preamble,
     read_frame,
     seal,
@@ -35,8 +54,25 @@ from ._framing import (
 
 log = logging.getLogger("kvpush.runtime.channel")
 
-#: Connections still in their preamble at once; more are closed unread.
-_MAX_HANDSHAKES: Final = 64
+#: Why a connection was refused before (or at) its preamble: the keys of
+#: ``ChannelStatistics.handshake_refusals``.
+REFUSALS: Final = (
+    #: No whole preamble within ``preamble_timeout``.
+    "timeout",
+    #: Pushed out by a newer connection from the same source, which held
+    #: ``max_handshakes_per_source`` already.
+    "evicted_source",
+    #: Pushed out by a newer connection while ``max_handshakes`` waited.
+    "evicted_full",
+    #: The connection ended or failed before its preamble.
+    "closed",
+    #: Not a preamble (a bad length, magic or name).
+    "malformed",
+    #: A missing or wrong seal (the codec's secret).
+    "unauthenticated",
+    #: A preamble that claims this channel's own name.
+    "own_name",
+)
 
 _NET_ERRORS = (
     OSError,  # includes TimeoutError
@@ -47,6 +83,93 @@ _NET_ERRORS = (
 )
 
 _NEW, _OPEN, _CLOSED = "new", "open", "closed"
+
+
+class _Slot:
+    """One accepted connection waiting for its preamble."""
+
+    __slots__ = ("evicted", "scope", "source")
+
+    def __init__(self, source: str, scope: anyio.CancelScope) -> None:
+        self.source = source
+        #: Cancelled at the preamble deadline, or to evict the connection.
+        self.scope = scope
+        self.evicted = ""
+
+
+class _Admission:
+    """The connections waiting for their preamble, bounded per source and in
+    all (see the module docs), and the rate-limited log of refusals."""
+
+    def __init__(
+        self, name: str, total: int, per_source: int, timeout: float, log_interval: float
+    ) -> None:
+        self.name = name
+        self.total = total
+        self.per_source = per_source
+        self.timeout = timeout
+        self.log_interval = log_interval
+        #: Every waiting slot, oldest first; and per source, oldest first.
+        self.slots: dict[_Slot, None] = {}
+        self.by_source: dict[str, dict[_Slot, None]] = {}
+        #: Refusals ever, by reason; and those not yet logged.
+        self.refused: Counter[str] = Counter()
+        self.unlogged: Counter[str] = Counter()
+        self.next_log = -1.0
+        self.flush_armed = False
+        self.peak = 0
+
+    def enter(self, source: str, now: float) -> _Slot:
+        """A slot for a connection from ``source`` (making room first)."""
+        mine = self.by_source.setdefault(source, {})
+        if len(mine) >= self.per_source:
+            self.evict(next(iter(mine)), "evicted_source")
+        elif len(self.slots) >= self.total:
+            most = max(len(v) for v in self.by_source.values())
+            oldest = next(s for s in self.slots if len(self.by_source[s.source]) == most)
+            self.evict(oldest, "evicted_full")
+        slot = _Slot(source, anyio.CancelScope(deadline=now + self.timeout))
+        mine[slot] = None
+        self.slots[slot] = None
+        self.peak = max(self.peak, len(self.slots))
+        return slot
+
+    def evict(self, slot: _Slot, reason: str) -> None:
+        slot.evicted = reason
+        self.leave(slot)
+        slot.scope.cancel()
+
+    def leave(self, slot: _Slot) -> None:
+        """Free the slot (no-op if it was evicted already)."""
+        if slot not in self.slots:
+            return
+        del self.slots[slot]
+        mine = self.by_source[slot.source]
+        del mine[slot]
+        if not mine:
+            del self.by_source[slot.source]
+
+    def refuse(self, reason: str, now: float) -> bool:
+        """Count a refusal; whether to log now (else a flush is due later)."""
+        self.refused[reason] += 1
+        self.unlogged[reason] += 1
+        return now >= self.next_log
+
+    def log_line(self, now: float) -> None:
+        """Log the refusals not yet logged, as one line."""
+        if not self.unlogged:
+            return
+        n = sum(self.unlogged.values())
+        why = ", ".join(f"{k} {v}" for k, v in sorted(self.unlogged.items()))
+        log.warning(
+            "%s: refused %d connection(s) before their preamble (%s); %d waiting now",
+            self.name,
+            n,
+            why,
+            len(self.slots),
+        )
+        self.unlogged.clear()
+        self.next_log = now + self.log_interval
 
 
 class _Links:
@@ -60,7 +183,7 @@ class _Links:
     _state: str
     _peers: dict[str, _Peer]
     _sockets: set[anyio.abc.SocketStream]
-    _handshakes: int
+    _admission: _Admission
     _handshake_failures: int
     _connect_timeout: float
     _backoff: Backoff
@@ -164,28 +287,38 @@ class _Links:
                 await self._close_now(stream)
                 return
             self._tg().start_soon(self._on_accept, stream)
+            # Let the connections accepted so far read their preamble before
+            # the next accept can evict them (a backlog drains one per turn).
+            await anyio.lowlevel.checkpoint()
 
     async def _on_accept(self, stream: anyio.abc.SocketStream) -> None:
         self._sockets.add(stream)
-        if self._handshakes >= _MAX_HANDSHAKES:
-            self._handshake_failures += 1
-            log.warning("%s: too many connections in handshake; closing one", self._name)
-            await self._close_now(stream)
-            return
-        self._handshakes += 1
+        adm = self._admission
+        slot = adm.enter(_source(stream), anyio.current_time())
+        frame: bytes | None = None
+        hello: Preamble | None = None
+        reason = ""
         try:
             self._tune(stream)
             receiver = BufferedByteReceiveStream(stream)
-            with anyio.fail_after(self._connect_timeout):
+            with slot.scope:
                 frame = await read_frame(receiver, max_frame_bytes=MAX_HANDSHAKE_BYTES)
-            hello = Preamble.decode(unseal(frame, self._codec))
-        except (*_NET_ERRORS, RemoteProtocolError) as exc:
-            self._handshake_failures += 1
-            log.warning("%s: refused a connection before its preamble: %r", self._name, exc)
+            if frame is None:
+                reason = slot.evicted or "timeout"
+            else:
+                hello = Preamble.decode(unseal(frame, self._codec))
+        except AuthenticationError:
+            reason = "unauthenticated"
+        except (FramingError, RemoteProtocolError):
+            reason = "malformed"
+        except _NET_ERRORS:
+            reason = "closed"
+        finally:
+            adm.leave(slot)
+        if hello is None:
+            self._refuse(reason)
             await self._close_now(stream)
             return
-        finally:
-            self._handshakes -= 1
         admitted = self._admit(hello, stream, receiver)
         if admitted is None:
             await self._close_now(stream)
@@ -212,8 +345,7 @@ class _Links:
         if self._state is not _OPEN:
             return None
         if name == self._name:
-            self._handshake_failures += 1
-            log.warning("%s: refused a connection that claims our own name", self._name)
+            self._refuse("own_name")
             return None
         p = self._peers.get(name)
         if p is not None:
@@ -230,3 +362,31 @@ class _Links:
         conn = _Conn(stream, receiver, hello.conn_id, hello.instance)
         conn.lock.acquire_nowait()  # the ack goes first
         return p, conn, self._install(p, conn)
+
+    # --- refusals, counted and logged at a bounded rate -----------------------------
+
+    def _refuse(self, reason: str) -> None:
+        self._handshake_failures += 1
+        adm, now = self._admission, anyio.current_time()
+        if adm.refuse(reason, now):
+            adm.log_line(now)
+        elif not adm.flush_armed and self._state is _OPEN:
+            adm.flush_armed = True
+            self._tg().start_soon(self._flush_refusals)
+
+    async def _flush_refusals(self) -> None:
+        adm = self._admission
+        try:
+            await anyio.sleep(max(0.0, adm.next_log - anyio.current_time()))
+        finally:
+            adm.flush_armed = False
+        adm.log_line(anyio.current_time())
+
+
+def _source(stream: anyio.abc.SocketStream) -> str:
+    """The remote address (host only) a connection came from."""
+    try:
+        address = stream.extra(SocketAttribute.remote_address)
+    except anyio.TypedAttributeLookupError:  # pragma: no cover - TCP streams have one
+        return "?"
+    return str(address[0]) if isinstance(address, tuple) else str(address)

@@ -30,7 +30,6 @@ __all__ = (
 )
 
 
-
 class ChannelClosed(KvpushError):
     """The channel is not open (not entered yet, or closed): nothing more is sent."""
 
@@ -147,8 +146,16 @@ class ChannelStatistics:
     open: bool
     ports: tuple[int, ...]
     peers: Mapping[str, PeerStatistics]
-    #: Connections dropped before they named a peer (bad preamble, timeout, excess).
+    #: Connections dropped before they named a peer (bad preamble, timeout,
+    #: evicted, our own name): the sum of ``handshake_refusals``.
     handshake_failures: int
+    #: Those refusals by reason: ``timeout``, ``evicted_source``,
+    #: ``evicted_full``, ``closed``, ``malformed``, ``unauthenticated``,
+    #: ``own_name`` (only reasons that happened appear).
+    handshake_refusals: Mapping[str, int]
+    #: Connections waiting for their preamble now, and at most at once.
+    handshakes_waiting: int
+    handshakes_waiting_peak: int
     #: Garbage frames from every peer, including forgotten ones.
     garbage: int
     #: Frames discarded unsent with their peer forgotten, or at close.
@@ -168,5 +175,3 @@ def _check_name(what: str, name: object) -> str:
 
 
 # --- internals ------------------------------------------------------------------------
-
-

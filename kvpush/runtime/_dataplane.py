@@ -11,7 +11,16 @@ that stops polling stalls its producers). Results go back through
 ever pays O(1) per request: an append to a queue.
 
 Time: ``not_after`` deadlines are on ``time.monotonic()``, the clock asyncio's
-loop (and so anyio's ``current_time()``) runs on.
+loop (and so anyio's ``current_time()``) runs on. The thread stamps each op on
+that clock (:class:`~kvpush.protocol.OpStamps`: planning started and done,
+posted, seen settled) and each notice when it polled it; the stamps ride with
+the results into the core, for the timeline.
+
+Senders. A notice arrives from a transport agent; the data plane names the
+peer whose handshake introduced that agent (:attr:`NoticeIn.peer`, ``None`` for
+an agent no handshake introduced), and the core counts a notice only for a
+reservation registered with that peer. An agent name another peer already
+claimed is refused (the later peer is unusable, logged).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from kvpush.protocol import (
     Completion,
     KVLayout,
     KvpushError,
+    OpStamps,
     Role,
     Route,
     Source,
@@ -64,17 +74,24 @@ class PeerRanks:
 
 @dataclass(frozen=True, slots=True)
 class OpResult:
-    """A StartWrite or StartRead settled (``error`` is None on success)."""
+    """A StartWrite or StartRead settled (``error`` is None on success).
+    ``stamps``: when it was planned, posted and seen settled (``None`` if it
+    was never posted)."""
 
     action: StartWrite | StartRead
     error: str | None
+    stamps: OpStamps | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class NoticeIn:
-    """A completion notice that arrived at one of our ranks."""
+    """A completion notice that arrived at one of our ranks from a rank of
+    ``peer`` (the peer whose handshake introduced the sending agent; ``None``
+    if none did), polled at ``seen`` (``time.monotonic()``)."""
 
     notice: Completion
+    peer: str | None
+    seen: float | None = None
 
 
 Result = OpResult | NoticeIn
@@ -102,6 +119,8 @@ class DataPlane:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._peers: dict[str, PeerRanks] = {}
         self._agents: dict[tuple[str, int], str] = {}
+        #: Transport agent -> the peer whose handshake introduced it.
+        self._senders: dict[str, str] = {}
         self._planners: dict[tuple[str, Route], TransferPlanner] = {}
         self._prepped: set[tuple[str, Route]] = set()
         self._preppers: dict[int, PreppedTransport] = {
@@ -110,7 +129,8 @@ class DataPlane:
             if isinstance(r.transport, PreppedTransport)
         }
         self.posted_prepped = 0
-        self._posted: dict[tuple[int, int], StartWrite | StartRead] = {}
+        #: (rank index, handle) -> (action, plan started, planned, posted).
+        self._posted: dict[tuple[int, int], tuple[StartWrite | StartRead, float, float, float]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -152,7 +172,9 @@ class DataPlane:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise KvpushError("data-plane thread did not stop in time")
-        leftover: list[Result] = [OpResult(a, "data plane stopped") for a in self._posted.values()]
+        leftover: list[Result] = [
+            OpResult(a[0], "data plane stopped") for a in self._posted.values()
+        ]
         self._posted.clear()
         while True:
             try:
@@ -175,12 +197,18 @@ class DataPlane:
                 busy = bool(results)
                 for index, rank in self.ranks.items():
                     completed, notices = rank.transport.poll()
+                    if not (completed or notices):
+                        continue
+                    now = time.monotonic()
                     for c in completed:
-                        action = self._posted.pop((index, c.handle), None)
-                        if action is not None:
-                            results.append(OpResult(action, c.error))
+                        posted = self._posted.pop((index, c.handle), None)
+                        if posted is not None:
+                            action, started, planned, sent = posted
+                            stamps = OpStamps(started, planned, sent, max(now, sent))
+                            results.append(OpResult(action, c.error, stamps))
                     for n in notices:
-                        results.append(NoticeIn(self.codec.decode_notice(n.payload)))
+                        notice = self.codec.decode_notice(n.payload)
+                        results.append(NoticeIn(notice, self._senders.get(n.peer), now))
                     busy = busy or bool(completed or notices)
                 if results:
                     self._on_results(results)
@@ -228,11 +256,20 @@ class DataPlane:
         for index, (meta, layout) in peer.ranks.items():
             for rank in self.ranks.values():
                 agent = rank.transport.add_peer(meta, layout)
+            owner = self._senders.get(agent)
+            if owner is not None and owner != peer.peer:
+                raise KvpushError(f"its agent {agent!r} belongs to peer {owner!r}")
             self._agents[(peer.peer, index)] = agent
+        for agent in [a for a, owner in self._senders.items() if owner == peer.peer]:
+            del self._senders[agent]
+        for (name, _), agent in self._agents.items():
+            if name == peer.peer:
+                self._senders[agent] = name
 
     def _post(self, action: StartWrite | StartRead) -> str | None:
         """Post one action; return an error text instead of raising."""
-        if time.monotonic() > action.not_after:
+        started = time.monotonic()
+        if started > action.not_after:
             return "not posted: its lease ran out"
         route = action.route
         local_index, remote_index = self._indices(action.peer, route.source, route.consumer_rank)
@@ -246,6 +283,7 @@ class DataPlane:
             plan = planner.plan(
                 action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens
             )
+            planned = time.monotonic()
             write = isinstance(action, StartWrite)
             notice = (
                 self.codec.encode_notice(action.notice) if isinstance(action, StartWrite) else b""
@@ -267,7 +305,7 @@ class DataPlane:
                 handle = rank.transport.read(agent, plan.dst, plan.src)
         except KvpushError as exc:
             return f"not posted: {exc}"
-        self._posted[(local_index, handle)] = action
+        self._posted[(local_index, handle)] = (action, started, planned, time.monotonic())
         self.posted += 1
         self.bytes_posted += int(plan.src[:, 1].sum())
         return None

@@ -41,12 +41,18 @@ _BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25
 
 
 def _phases(t: Timeline) -> Iterator[tuple[str, float]]:
-    """(phase, seconds) pairs this endpoint's timeline can tell."""
+    """(phase, seconds) pairs this endpoint's timeline can tell. With the data
+    plane's stamps (``ops``), preparation ends when the last op was planned
+    and transfer when the last op settled; without, at the core's moments."""
     done = max((when for _, when in t.write_done), default=None)
+    moving = t.write_started
+    if t.ops:
+        moving = max(st.planned for _, st in t.ops)
+        done = max(st.done for _, st in t.ops)
     spans = (
         ("registration", t.reserved, t.registration_sent),
-        ("handoff_preparation", t.kv_ready, t.write_started),
-        ("transfer", t.write_started, done),
+        ("handoff_preparation", t.kv_ready, moving),
+        ("transfer", moving, done),
         ("ready", t.reserved, t.ready),
         ("held", t.kv_ready, t.released),
     )

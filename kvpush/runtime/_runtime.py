@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import queue
@@ -23,7 +24,6 @@ import anyio
 import msgpack
 
 from kvpush.protocol import (
-    Announce,
     Consumer,
     ControlMessage,
     Event,
@@ -33,8 +33,8 @@ from kvpush.protocol import (
     Mode,
     PeerReady,
     Producer,
+    Ready,
     Refused,
-    Register,
     RemoteProtocolError,
     Reserved,
     Send,
@@ -146,22 +146,26 @@ class _Wakeup:
 
 
 class StallWatch:
-    """Notices when this process or its event loop did not run for a while.
+    """Measures when this process or its event loop did not run for a while,
+    and reports each such gap to the core (``on_stall(now, gap)``, i.e. the
+    endpoint's ``stalled()``); the core decides what that means for the frames
+    read next (docs/protocol.md, "Timing": it drops lease-bearing ones).
 
-    A lease crosses machines as a duration measured from *receipt* (docs/
-    protocol.md, "Timing"), and the safety argument needs receipt within
-    ``max_transit`` of sending. A frame that reached the kernel while this
-    process was stopped (SIGSTOP, a VM pause, an event loop blocked by a long
-    step) is read late, and a lease measured from then outlives the peer's
-    quarantine: the write would land in blocks the peer already reused. A ticker
-    task beats every ``limit / 5``; a lease-bearing frame (``Register``,
-    ``Announce``) handled while the beat is more than ``limit`` old, or within
-    ``limit`` after such a gap, is dropped (the peer's deadline fails the
-    transfer; dropping a frame is something the protocol survives)."""
+    A ticker task beats every ``limit / 5``; a beat more than ``limit`` after
+    the previous one is a stall. The pump also calls :meth:`check` before it
+    feeds each frame, so a frame read during a gap (before the ticker ran
+    again) comes after its report. ``dropped`` counts the frames the core
+    dropped for a stall (the pump tallies them)."""
 
-    def __init__(self, limit: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        limit: float,
+        clock: Callable[[], float],
+        on_stall: Callable[[float, float], None] = lambda now, gap: None,
+    ) -> None:
         self.limit = limit
         self._clock = clock
+        self._on_stall = on_stall
         self.beat = clock()
         #: When the last stall was noticed (``-inf``: never).
         self.gap_ended = -math.inf
@@ -175,16 +179,13 @@ class StallWatch:
 
     def check(self) -> None:
         now = self._clock()
-        if now - self.beat > self.limit:
+        gap = now - self.beat
+        self.beat = now
+        if gap > self.limit:
             self.stalls += 1
             self.gap_ended = now
-            gap = now - self.beat
             log.warning("this process did not run for %.3f s (stall limit %g s)", gap, self.limit)
-        self.beat = now
-
-    def suspect(self, now: float) -> bool:
-        """Whether a frame handled at ``now`` may have waited through a stall."""
-        return now - self.beat > self.limit or now - self.gap_ended <= self.limit
+            self._on_stall(now, gap)
 
 
 class EndpointRuntime(Generic[E]):
@@ -216,7 +217,7 @@ class EndpointRuntime(Generic[E]):
         self._wakeup: _Wakeup | None = None  # open while run() runs
         self.frames_dropped = 0
         self.bad_hellos = 0
-        self.watch = StallWatch(limit, self.now)
+        self.watch = StallWatch(limit, self.now, self._stalled)
         if dataplane is not None:
             dataplane.bind(self.post_results)
 
@@ -249,6 +250,9 @@ class EndpointRuntime(Generic[E]):
     def now(self) -> float:
         return time.monotonic()
 
+    def _stalled(self, now: float, gap: float) -> None:
+        self.endpoint.stalled(now, gap)
+
     def kick(self) -> None:
         """After any input: drain the endpoint's outputs, and wake the timer
         task if the endpoint's next deadline is now earlier than the one it
@@ -263,6 +267,8 @@ class EndpointRuntime(Generic[E]):
     def _drain(self) -> None:
         for out in self.endpoint.drain():
             if isinstance(out, Send):
+                if isinstance(out.message, Hello):
+                    self._hello_sent(out.peer)
                 try:
                     self.channel.send_nowait(out.peer, out.message)
                 except KvpushError as exc:
@@ -280,6 +286,15 @@ class EndpointRuntime(Generic[E]):
                 if self._on_event is not None:
                     self._on_event(out)
                 self._have_events.set()
+
+    def _hello_sent(self, peer: str) -> None:
+        """Log a hello the core sends again (its retry, or a new connection);
+        ``stats()`` counts them (``hello_retry``, ``hello_resent_on_connect``)."""
+        attempts = self.endpoint.peer(peer).attempts
+        if attempts > 1:
+            log.warning(
+                "handshake with %s unanswered: hello sent again (attempt %d)", peer, attempts
+            )
 
     def _usable(self, peer: str, hello: Hello) -> bool:
         """Whether a hello's rank descriptions decode; a hello whose do not is
@@ -303,9 +318,16 @@ class EndpointRuntime(Generic[E]):
     # --- events for the caller ---------------------------------------------------
 
     def events_nowait(self) -> list[Event]:
-        """Every event so far, oldest first (and forget them)."""
+        """Every event so far, oldest first (and forget them). A :class:`Ready`
+        comes with its timeline's ``delivered`` set to now: the moment its
+        caller got it."""
         out = list(self._events)
         self._events.clear()
+        now = None
+        for i, ev in enumerate(out):
+            if isinstance(ev, Ready):
+                now = self.now() if now is None else now
+                out[i] = dataclasses.replace(ev, timeline=ev.timeline._replace(delivered=now))
         return out
 
     async def next_events(self, timeout: float) -> list[Event]:
@@ -321,21 +343,24 @@ class EndpointRuntime(Generic[E]):
     async def _channel_loop(self) -> None:
         async for ev in self.channel.events():
             if isinstance(ev, Received):
+                self.watch.check()  # a gap ending now reaches the core first
                 now = self.now()
                 if isinstance(ev.message, Hello) and not self._usable(ev.peer, ev.message):
                     continue
-                if isinstance(ev.message, (Register, Announce)) and self.watch.suspect(now):
+                endpoint = self.endpoint
+                before = endpoint.stall_dropped
+                endpoint.receive(now, ev.peer, ev.message)
+                if endpoint.stall_dropped != before:  # the core's stall rule
                     self.watch.dropped += 1
+                    msg = ev.message
                     log.warning(
                         "dropped %s of %s epoch %d from %s: this process was stalled, the "
                         "frame may be older than its lease (max_transit)",
-                        type(ev.message).__name__,
-                        ev.message.transfer_id,
-                        ev.message.epoch,
+                        type(msg).__name__,
+                        getattr(msg, "transfer_id", "?"),
+                        getattr(msg, "epoch", -1),
                         ev.peer,
                     )
-                    continue
-                self.endpoint.receive(now, ev.peer, ev.message)
             elif isinstance(ev, PeerLost):
                 self.endpoint.peer_lost(self.now(), ev.peer)
             elif isinstance(ev, PeerConnected):
@@ -403,7 +428,7 @@ class ProducerRuntime(EndpointRuntime[Producer]):
             a = r.action
             src, rank = a.route.source, a.route.consumer_rank
             if r.error is None:
-                self.endpoint.write_done(now, a.transfer_id, a.epoch, src, rank)
+                self.endpoint.write_done(now, a.transfer_id, a.epoch, src, rank, stamps=r.stamps)
             else:
                 self.endpoint.write_failed(now, a.transfer_id, a.epoch, src, rank, r.error)
 
@@ -442,9 +467,10 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
 
     def _feed_one(self, now: float, r: Result) -> None:
         if isinstance(r, NoticeIn):
-            self.endpoint.completion_received(now, r.notice)
+            self.endpoint.completion_received(now, r.peer, r.notice, seen=r.seen)
         elif isinstance(r.action, StartRead):
             a = r.action
+            src, rank, ok = a.route.source, a.route.consumer_rank, r.error is None
             self.endpoint.read_done(
-                now, a.transfer_id, a.epoch, a.route.source, a.route.consumer_rank, r.error is None
+                now, a.transfer_id, a.epoch, src, rank, ok, stamps=r.stamps if ok else None
             )

@@ -422,7 +422,7 @@ class Fleet:
             rt = op.route
             if ok:
                 p.producer.write_done(now, op.transfer_id, op.epoch, rt.source, rt.consumer_rank)
-                d.consumer.completion_received(now, op.notice)
+                d.consumer.completion_received(now, p.name, op.notice)
             else:
                 p.producer.write_failed(
                     now, op.transfer_id, op.epoch, rt.source, rt.consumer_rank, why

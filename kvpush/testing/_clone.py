@@ -30,7 +30,9 @@ def _shallow(obj: T, **fields: Any) -> T:
 
 
 def _timeline(tl: Any) -> Any:
-    return _shallow(tl, write_done=dict(tl.write_done))
+    return _shallow(
+        tl, write_done=dict(tl.write_done), ops=dict(tl.ops), notice_seen=dict(tl.notice_seen)
+    )
 
 
 def _endpoint(ep: Any) -> Any:
@@ -39,6 +41,7 @@ def _endpoint(ep: Any) -> Any:
         _out=list(ep._out),
         _counters=Counter(ep._counters),
         _peers={k: copy.copy(v) for k, v in ep._peers.items()},
+        _peer_timers={k: dict(v) for k, v in ep._peer_timers.items()},
         _heap=list(ep._heap),
     )
 
@@ -85,9 +88,10 @@ def _checker(c: InvariantChecker) -> InvariantChecker:
         src_released=set(c.src_released),
         leases=dict(c.leases),
         producer_withdrawn=set(c.producer_withdrawn),
-        producer_aborted=set(c.producer_aborted),
+        producer_aborted=dict(c.producer_aborted),
         writes=set(c.writes),
         readies=set(c.readies),
+        reads=dict(c.reads),
     )
 
 
@@ -109,5 +113,6 @@ def clone_world(w: World) -> World:
         failed=set(w.failed),
         failure_reasons=dict(w.failure_reasons),
         source_outcomes=dict(w.source_outcomes),
+        stall_losses=set(w.stall_losses),
         checker=_checker(w.checker),
     )

@@ -72,9 +72,13 @@ class FakeNetwork(Generic[T]):
         m = self.queue[index]
         self.queue.append(InFlight(self._seq, m.sent_at, m.src, m.dst, m.message))
 
-    def expire(self, now: float) -> int:
-        """Drop every message older than ``max_transit``; return how many."""
-        keep = [m for m in self.queue if now - m.sent_at <= self.max_transit]
+    def expire(self, now: float, *, spare: str | None = None) -> int:
+        """Drop every message older than ``max_transit``; return how many.
+        ``spare``: keep those addressed to it (they already reached its kernel:
+        a stalled process reads them late, nobody drops them)."""
+        keep = [
+            m for m in self.queue if now - m.sent_at <= self.max_transit or m.dst == spare
+        ]
         gone = len(self.queue) - len(keep)
         self.queue = keep
         self.dropped += gone

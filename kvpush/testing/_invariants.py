@@ -73,9 +73,14 @@ class InvariantChecker:
     src_released: set[str] = field(default_factory=set)
     leases: dict[Key, float] = field(default_factory=dict)
     producer_withdrawn: set[Key] = field(default_factory=set)
-    producer_aborted: set[str] = field(default_factory=set)
+    #: transfer -> the epoch of the Abort that ended it at the producer (a
+    #: newer epoch may be served once the producer forgot the transfer).
+    producer_aborted: dict[str, int] = field(default_factory=dict)
     writes: set[Pair] = field(default_factory=set)
     readies: set[str] = field(default_factory=set)
+    #: Pull reads the consumer started and was not yet told settled, with the
+    #: time by which each is dead anyway (``not_after + op_bound``).
+    reads: dict[Pair, float] = field(default_factory=dict)
 
     def fail(self, what: str) -> None:
         raise InvariantViolation(what)
@@ -95,6 +100,14 @@ class InvariantChecker:
             self.content[b] = set()
             self.dst_owner[b] = (tid, epoch)
 
+    def producer_restarted(self) -> None:
+        """The producer died and a new instance started: the old one's memory
+        and what it had seen are gone (a transfer id may be served afresh)."""
+        self.src_held.clear()
+        self.src_released.clear()
+        self.producer_aborted.clear()
+        self.reads.clear()  # they read the old instance's memory, or nothing
+
     def withdrawn_locally(self, tid: str, epoch: int) -> None:
         self.res[(tid, epoch)].withdrawn = True
 
@@ -112,7 +125,8 @@ class InvariantChecker:
             # An Abort older than the newest registration ends only its epoch.
             newest = max((e for t, e in self.leases if t == message.transfer_id), default=0)
             if message.epoch >= newest:
-                self.producer_aborted.add(message.transfer_id)
+                tid = message.transfer_id
+                self.producer_aborted[tid] = max(self.producer_aborted.get(tid, 0), message.epoch)
             else:
                 self.producer_withdrawn.add((message.transfer_id, message.epoch))
 
@@ -159,11 +173,26 @@ class InvariantChecker:
             if held is None or held != _flat(out.blocks):
                 self.fail(f"released source blocks of {out.transfer_id} that were not held")
             self.src_released.add(out.transfer_id)
+            # I1, proactively (pull): a lent source comes back only once no read
+            # of any epoch may still run (catches an early release even when no
+            # late read happens to land).
+            for (tid, epoch, _, _), dead_at in self.reads.items():
+                if tid == out.transfer_id and now < dead_at - 1e-9:
+                    self.fail(
+                        f"I1: source of {tid} released while a read of epoch {epoch} "
+                        "may be in flight"
+                    )
 
     def consumer_read(self, out: StartRead) -> None:
         rec = self.res.get((out.transfer_id, out.epoch))
         if rec is None or rec.ended is not None or _flat(out.dst_blocks) != rec.blocks:
             self.fail(f"read for {out.transfer_id}/{out.epoch} targets blocks it does not own")
+        pair = (out.transfer_id, out.epoch, out.route.source, out.route.consumer_rank)
+        self.reads[pair] = out.not_after + self.op_bound
+
+    def read_settled(self, op: StartRead) -> None:
+        """The consumer is told a read finished or failed (nothing more of it runs)."""
+        self.reads.pop((op.transfer_id, op.epoch, op.route.source, op.route.consumer_rank), None)
 
     def _start_write(self, now: float, out: StartWrite) -> None:
         key = (out.transfer_id, out.epoch)
@@ -174,7 +203,8 @@ class InvariantChecker:
         rec = self.res.get(key)
         if rec is None or not rec.registered or _flat(out.dst_blocks) != rec.blocks:
             self.fail(f"I1: write for {key} targets blocks not registered under it")
-        if key in self.producer_withdrawn or out.transfer_id in self.producer_aborted:
+        aborted = self.producer_aborted.get(out.transfer_id, -1)
+        if key in self.producer_withdrawn or out.epoch <= aborted:
             self.fail(f"I1: write for {key} started after the producer saw it withdrawn")
         lease = self.leases.get(key)
         if lease is None or now > out.not_after or out.not_after > lease + 1e-9:

@@ -78,6 +78,31 @@ class ProtocolMachine(RuleBasedStateMachine):
             return
         self.world.kill_producer(detected)
 
+    @precondition(lambda self: self.faults and not self.world.producer_alive)
+    @rule()
+    def restart_producer(self) -> None:
+        self.world.restart_producer()
+
+    @precondition(lambda self: self.faults)
+    @rule(detected=st.booleans(), coin=_rarely)
+    def reconnect(self, detected: bool, coin: int) -> None:
+        """The control connection drops and comes back: its frames are lost."""
+        if coin:
+            return
+        self.world.reconnect(detected)
+
+    @precondition(lambda self: self.faults)
+    @rule(
+        who=st.sampled_from(["prefill", "decode"]),
+        gap=st.sampled_from([0.6, 3.0, 20.0]),
+        coin=_rarely,
+    )
+    def stall(self, who: str, gap: float, coin: int) -> None:
+        """One process stops for ``gap`` s; frames to it are read late."""
+        if coin:
+            return
+        self.world.stall(who, gap)
+
     # --- the network --------------------------------------------------------------
 
     @precondition(lambda self: bool(self.world.net.queue))
@@ -148,6 +173,18 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(i=_index)
     def notify(self, i: int) -> None:
         self.world.notify(i % len(self.world.notices))
+
+    @precondition(lambda self: bool(self.world.notices))
+    @rule(i=_index)
+    def duplicate_notice(self, i: int) -> None:
+        self.world.duplicate_notice(i % len(self.world.notices))
+
+    @precondition(lambda self: self.faults and bool(self.world.notices))
+    @rule(i=_index, coin=_rarely)
+    def drop_notice(self, i: int, coin: int) -> None:
+        if coin:
+            return
+        self.world.drop_notice(i % len(self.world.notices))
 
     # --- time -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from kvpush.protocol import (
     Identity,
     Mode,
     Output,
+    PeerState,
     Producer,
     ProducerConfig,
     Ready,
@@ -59,6 +60,9 @@ class WorldConfig:
     blocks_per_transfer: int = 2
     pool_blocks: int = 64
     max_reserved_blocks: int | None = None
+    #: Shake hands over a reliable path when the world is built; ``False``: the
+    #: first reservation starts the handshake over the faulty network.
+    handshake: bool = True
 
 
 @dataclass(slots=True)
@@ -83,16 +87,7 @@ class World:
         heads = cfg.num_kv_heads
         self.clock = FakeClock()
         self.net: FakeNetwork[object] = FakeNetwork(cfg.max_transit)
-        self.producer = Producer(
-            ProducerConfig(
-                Identity(
-                    P, 1, tp=cfg.producer_tp, pp=cfg.producer_pp, num_kv_heads=heads, mla=cfg.mla
-                ),
-                timing,
-                kv_hold_timeout=cfg.kv_hold_timeout,
-                tombstone_ttl=cfg.tombstone_ttl,
-            )
-        )
+        self.producer = self._new_producer(1)
         self.consumer = Consumer(
             ConsumerConfig(
                 Identity(D, 2, tp=cfg.consumer_tp, num_kv_heads=heads, mla=cfg.mla),
@@ -112,16 +107,37 @@ class World:
         self.failed: set[tuple[str, int]] = set()
         self.failure_reasons: dict[tuple[str, int], FailureReason] = {}
         self.source_outcomes: dict[str, ReleaseOutcome] = {}
+        #: Transfers that lost a lease-bearing frame to the stall rule.
+        self.stall_losses: set[str] = set()
         self.events: list[Output] = []
         topology = compute_topology(
             cfg.producer_tp, cfg.producer_pp, cfg.consumer_tp, heads, mla=cfg.mla
         )
         self.checker = InvariantChecker(topology, cfg.max_transit, cfg.op_bound)
-        # Handshake over a reliable path; faults start afterwards.
-        self.consumer.connect(0.0, P)
-        self._settle_handshake()
-        if self.consumer.peer(P).topology != topology:
-            raise AssertionError("handshake failed or disagrees with the model's topology")
+        if cfg.handshake:
+            # Handshake over a reliable path; faults start afterwards.
+            self.consumer.connect(0.0, P)
+            self._settle_handshake()
+            if self.consumer.peer(P).topology != topology:
+                raise AssertionError("handshake failed or disagrees with the model's topology")
+
+    def _new_producer(self, instance: int) -> Producer:
+        cfg = self.config
+        return Producer(
+            ProducerConfig(
+                Identity(
+                    P,
+                    instance,
+                    tp=cfg.producer_tp,
+                    pp=cfg.producer_pp,
+                    num_kv_heads=cfg.num_kv_heads,
+                    mla=cfg.mla,
+                ),
+                Timing(cfg.max_transit, cfg.op_bound),
+                kv_hold_timeout=cfg.kv_hold_timeout,
+                tombstone_ttl=cfg.tombstone_ttl,
+            )
+        )
 
     def _settle_handshake(self) -> None:
         for _ in range(4):
@@ -199,20 +215,103 @@ class World:
             self.pump()
         return True
 
+    def restart_producer(self) -> bool:
+        """A dead prefill process starts again: a new instance with all its
+        memory free and no state. Reads of the old instance's memory fail (its
+        transport agent is gone). The consumer's channel sees the new
+        connection: the old peer lost (if not noticed yet), a connection up."""
+        if self.producer_alive:
+            return False
+        self.producer = self._new_producer(self.producer.identity.instance + 1)
+        self.producer_alive = True
+        self.free_src = list(range(self.config.pool_blocks))
+        self.kv.clear()
+        self.checker.producer_restarted()
+        reads = [op for op in self.ops if isinstance(op.action, StartRead)]
+        self.ops = [op for op in self.ops if not isinstance(op.action, StartRead)]
+        now = self.clock.now
+        for op in reads:
+            self._report(op, ok=False)
+        if self.consumer.peer(P).state is not PeerState.DISCONNECTED:
+            self.consumer.peer_lost(now, P)
+        self.consumer.connection_up(now, P)
+        self.pump()
+        return True
+
+    def reconnect(self, detected: bool) -> None:
+        """The control connection breaks and comes back (same processes): the
+        frames in flight on it are lost. ``detected``: the outage outlasted the
+        channels' loss timer, so both sides saw the peer lost first."""
+        now = self.clock.now
+        alive = self.producer_alive
+        while self.net.queue:  # the old connection's frames
+            self.net.drop(0)
+        if detected:
+            self.consumer.peer_lost(now, P)
+            if alive:
+                self.producer.peer_lost(now, D)
+        self.pump()
+        if alive:
+            self.consumer.connection_up(now, P)
+            self.producer.connection_up(now, D)
+        self.pump()
+
+    def stall(self, who: str, gap: float) -> bool:
+        """The process of ``who`` (``"prefill"`` or ``"decode"``) does not run
+        for ``gap`` seconds (SIGSTOP, a VM pause, a blocked event loop). The
+        other side and the transports go on; frames to it wait in its kernel
+        (none expires: the sender's channel handed them over); its timers do
+        not fire. Then its runtime notices (``stalled(now, gap)``), reads every
+        frame that waited, and fires its overdue timers."""
+        if gap <= 0 or (who == P and not self.producer_alive):
+            return False
+        me = self.producer if who == P else self.consumer
+        target = self.clock.now + gap
+        for _ in range(100_000):
+            other = self.consumer.next_deadline() if who == P else None
+            if who == D and self.producer_alive:
+                other = self.producer.next_deadline()
+            if other is None or other > target:
+                break
+            self._tick(max(other, self.clock.now), frozen=who)
+        else:
+            raise AssertionError("timers keep firing without time moving")
+        self._tick(target, frozen=who)
+        me.stalled(self.clock.now, gap)
+        waiting = [m.seq for m in self.net.queue if m.dst == who]
+        for seq in waiting:  # in the order they were sent
+            self.deliver(next(k for k, m in enumerate(self.net.queue) if m.seq == seq))
+        self._tick(self.clock.now)
+        return True
+
     # --- the network --------------------------------------------------------------
 
     def deliver(self, index: int) -> None:
         m = self.net.take(index)
         now = self.clock.now
+        end = self.producer if m.dst == P else self.consumer
         if m.dst == P:
             if not self.producer_alive:
                 return
-            self.checker.producer_received(now, m.message)
-            self.producer.receive(now, m.src, m.message)  # type: ignore[arg-type]
+            # A message from a peer without a handshake is ignored (counted):
+            # the producer has not seen it (a Register is answered UNKNOWN_PEER).
+            if self.producer.peer(m.src).state is PeerState.READY:
+                self.checker.producer_received(now, m.message)
         else:
             self.checker.consumer_received(m.message)
-            self.consumer.receive(now, m.src, m.message)  # type: ignore[arg-type]
+        before = end.stall_dropped
+        end.receive(now, m.src, m.message)  # type: ignore[arg-type]
+        if end.stall_dropped != before:
+            self.stall_losses.add(m.message.transfer_id)  # type: ignore[attr-defined]
         self.pump()
+
+    def drop_notice(self, index: int) -> None:
+        """A completion notice is lost on the data plane."""
+        self.notices.pop(index)
+
+    def duplicate_notice(self, index: int) -> None:
+        """The data plane delivers a completion notice twice."""
+        self.notices.append(self.notices[index])
 
     # --- the model transport ------------------------------------------------------
 
@@ -262,7 +361,7 @@ class World:
         """The consumer polls one completion notice."""
         notice = self.notices.pop(index)
         self.checker.notice_delivered(notice)
-        self.consumer.completion_received(self.clock.now, notice)
+        self.consumer.completion_received(self.clock.now, P, notice)
         self.pump()
 
     def _report(self, op: Op, ok: bool) -> None:
@@ -276,6 +375,7 @@ class World:
             else:
                 self.producer.write_failed(now, a.transfer_id, a.epoch, src, rank, "model failure")
         else:
+            self.checker.read_settled(a)
             self.consumer.read_done(
                 now, a.transfer_id, a.epoch, a.route.source, a.route.consumer_rank, ok
             )
@@ -312,9 +412,11 @@ class World:
         self._tick(max(nxt, self.clock.now) + 1e-6)
         return True
 
-    def _tick(self, now: float) -> None:
+    def _tick(self, now: float, frozen: str | None = None) -> None:
+        """Time moves to ``now``; ``frozen``: a stalled side, whose timers do not
+        fire and whose waiting frames do not expire (see :meth:`stall`)."""
         self.clock.now = now
-        self.net.expire(now)
+        self.net.expire(now, spare=frozen)
         bound = self.config.op_bound
         # The transport bound: a posted op older than op_bound is dead.
         self.ops = [
@@ -322,11 +424,13 @@ class World:
             for op in self.ops
             if op.landed or op.posted_at is None or now - op.posted_at <= bound
         ]
-        self.consumer.handle_timer(now)
-        if self.producer_alive:
+        if frozen != D:
+            self.consumer.handle_timer(now)
+        if self.producer_alive and frozen != P:
             self.producer.handle_timer(now)
         self.pump()
-        self.checker.check_time(now)
+        if frozen != D:  # a stopped consumer cannot meet its deadlines (I5)
+            self.checker.check_time(now)
 
     def late_rejections(self) -> set[str]:
         """Transfers that failed only because a re-registration (after a

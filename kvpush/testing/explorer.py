@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from kvpush.protocol import Hello, HelloReject
+
 from ._clone import clone_world
 from ._world import World, WorldConfig
 
@@ -50,6 +52,8 @@ class _Node:
     dups_left: int
     reserved: frozenset[str]
     rereserve: frozenset[str]  # preempted, waiting for their new epoch
+    losses_left: int = 0  # handshake frames the network may still lose
+    stalls_left: int = 0  # process stalls still to come
 
 
 def _clone(node: _Node) -> _Node:
@@ -59,7 +63,24 @@ def _clone(node: _Node) -> _Node:
         node.dups_left,
         node.reserved,
         node.rereserve,
+        node.losses_left,
+        node.stalls_left,
     )
+
+
+def _peers_key(ep: Any) -> tuple[object, ...]:
+    """An endpoint's handshake state: peer views, their retry timers, the stall window."""
+    views = sorted(
+        (
+            name,
+            v.state.name,
+            v.attempts,
+            None if v.hello is None else v.hello.instance,
+            sorted((k.value, t) for k, t in ep._peer_timers.get(name, {}).items()),
+        )
+        for name, v in ep._peers.items()
+    )
+    return (views, ep._stall_until)
 
 
 def _res_key(r: Any) -> tuple[object, ...]:
@@ -73,7 +94,7 @@ def _res_key(r: Any) -> tuple[object, ...]:
         sorted(repr(p) for p in r.settled),
         r.failed,
         r.after_reads,
-        sorted(r.timers.items()),
+        sorted((k.value, v) for k, v in r.timers.items()),
         r.quarantine_at,
         r.op_deadline,
     )
@@ -94,7 +115,7 @@ def _tx_key(t: Any) -> tuple[object, ...]:
         t.write_failed,
         sorted(t.owe),
         t.ending,
-        sorted(t.timers.items()),
+        sorted((k.value, v) for k, v in t.timers.items()),
         t.hold_until,
         t.op_deadline,
         t.quarantine_at,
@@ -115,8 +136,12 @@ def _digest(node: _Node) -> bytes:
         sorted(_res_key(r) for r in w.consumer._res.values()),
         sorted(_tx_key(t) for t in w.producer._tx.values()),
         sorted(w.live.items()),
+        _peers_key(w.consumer),
+        _peers_key(w.producer),
         node.preempts_left,
         node.dups_left,
+        node.losses_left,
+        node.stalls_left,
         sorted(node.reserved),
         sorted(node.rereserve),
     )
@@ -144,6 +169,11 @@ def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[Move]:
         yield f"deliver {key}", partial(_deliver, index=i)  # local
         if node.dups_left:
             yield f"duplicate {key}", partial(_dup, index=i)
+        if node.losses_left and isinstance(m.message, _HANDSHAKE):
+            yield f"lose {key}", partial(_lose, index=i)
+    if node.stalls_left:
+        for who in ("prefill", "decode"):
+            yield f"stall {who}", partial(_stall, who=who)
     # A write lands at the latest moment the model allows: just before the first
     # of "its initiator is told" and "its notice is polled" (both imply it
     # landed). Landing later is never safer, so nothing is lost for I1.
@@ -184,6 +214,21 @@ def _dup(node: _Node, index: int) -> None:
     node.dups_left -= 1
 
 
+def _lose(node: _Node, index: int) -> None:
+    node.world.net.drop(index)
+    node.losses_left -= 1
+
+
+#: How long an explored stall lasts (the timeouts are huge: it only matters
+#: that the stalled side reads what waited for it late, after ``stalled()``).
+STALL_GAP = 0.5
+
+
+def _stall(node: _Node, who: str) -> None:
+    node.world.stall(who, STALL_GAP)
+    node.stalls_left -= 1
+
+
 def _land(node: _Node, index: int) -> None:
     w = node.world
     if w.ops[index].posted_at is None:
@@ -212,12 +257,19 @@ def explore(
     transfers: int = 2,
     preemptions: int = 1,
     duplicates: int = 1,
+    hello_losses: int = 0,
+    stalls: int = 0,
     limit: int = 5_000_000,
     progress: Callable[[int], None] | None = None,
     reduce: bool = True,
 ) -> ExploreResult:
     """Walk every interleaving; raise :class:`InvariantViolation` on the first
-    broken invariant (with the path in the message)."""
+    broken invariant (with the path in the message). ``hello_losses``: the
+    handshake runs over the explored network (with the first reservation), which
+    may lose that many ``Hello``/``HelloReject`` frames (the retry timer must
+    recover). ``stalls``: that many times either process stalls and reads what
+    waited for it late (the stall rule may drop its lease-bearing frames; such
+    transfers may fail, by their deadline)."""
     if config is None:
         config = WorldConfig(
             producer_tp=2,
@@ -228,9 +280,13 @@ def explore(
             tombstone_ttl=2e6,
         )
     names = tuple(f"t{i}" for i in range(transfers))
+    if hello_losses:
+        config = dataclasses.replace(config, handshake=False)
     world = World(config)
     world.events = _Discard()
-    root = _Node(world, preemptions, duplicates, frozenset(), frozenset())
+    root = _Node(
+        world, preemptions, duplicates, frozenset(), frozenset(), hello_losses, stalls
+    )
     visited = {_digest(root)}
     stack: list[tuple[_Node, list[str]]] = [(root, [])]
     terminal = transitions = depth = 0
@@ -269,6 +325,7 @@ def explore(
 
 
 _LOCAL = ("deliver ", "ack ", "notify ")
+_HANDSHAKE = (Hello, HelloReject)
 
 
 def _owner(node: _Node, label: str, names: tuple[str, ...]) -> str | None:
@@ -313,7 +370,7 @@ def _check_end(node: _Node, names: tuple[str, ...], path: list[str]) -> None:
     w = node.world
     try:
         w.checker.check_quiescent(w.consumer.reserved_blocks, w.producer.held_blocks)
-        missing = set(names) - w.ready - w.late_rejections()
+        missing = set(names) - w.ready - w.late_rejections() - w.stall_losses
         if missing:
             raise AssertionError(f"I5: {sorted(missing)} never became ready; failed {w.failed}")
     except AssertionError as exc:
@@ -335,6 +392,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preemptions", type=int, default=1)
     parser.add_argument("--duplicates", type=int, default=1)
     parser.add_argument(
+        "--hello-losses",
+        type=int,
+        default=0,
+        help="shake hands over the explored network, which may lose this many hellos",
+    )
+    parser.add_argument(
+        "--stalls", type=int, default=0, help="process stalls (frames read late after each)"
+    )
+    parser.add_argument(
         "--no-reduction", action="store_true", help="walk every order of independent moves too"
     )
     args = parser.parse_args(argv)
@@ -352,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         transfers=args.transfers,
         preemptions=args.preemptions,
         duplicates=args.duplicates,
+        hello_losses=args.hello_losses,
+        stalls=args.stalls,
         reduce=not args.no_reduction,
         progress=lambda n: print(f"{n} states...", file=sys.stderr, flush=True),
     )

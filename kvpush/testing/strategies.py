@@ -32,7 +32,8 @@ def block_ids(groups: int = 1, max_blocks: int = 8) -> st.SearchStrategy[list[li
 
 def world_configs(*, faults: bool = True) -> st.SearchStrategy[WorldConfig]:
     """Worlds with TP 1-4 on each side (P > D, P < D and equal), sometimes
-    PP 2 or MLA, 12 KV heads so every TP size in range divides them."""
+    PP 2 or MLA, 12 KV heads so every TP size in range divides them; half of
+    them shake hands over the faulty network (with the first reservation)."""
     slow = 1000.0  # fault-free worlds must not time out while being driven
     return st.builds(
         WorldConfig,
@@ -47,4 +48,5 @@ def world_configs(*, faults: bool = True) -> st.SearchStrategy[WorldConfig]:
         kv_hold_timeout=st.sampled_from([3.0, 20.0] if faults else [slow]),
         tombstone_ttl=st.just(5.0 if faults else 2 * slow),
         max_reserved_blocks=st.sampled_from([None, None, 4] if faults else [None]),
+        handshake=st.booleans(),
     )

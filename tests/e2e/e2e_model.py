@@ -1,54 +1,113 @@
-"""The e2e test's model: tests/vllm/tiny_model.py's random OPT model, with sharper weights.
+"""The e2e test's models: tiny random-weight Llama-style models, with sharp weights.
 
-``make_tiny_model`` initialises weights like OPT (std 0.02), so its logits are nearly
-uniform and greedy decoding repeats one token whatever the context: measured here, 6 of
-8 prompts of 5..130 tokens gave 16 copies of a single token (top-2 logprob margins down
-to 0.002). An end-to-end comparison with that model would pass even if the decode's
-KV were garbage. Scaling every weight matrix (embeddings included) by ``SCALE`` = 20
-makes attention and logits sharp: the same prompts then give 9..15 distinct tokens
-out of 16, and the continuation depends on the whole prompt (the test checks this on
-the running baseline too).
+Generated offline (no hub access) by transformers, seeded, with the small WordLevel
+tokenizer of tests/vllm/tiny_model.py. :data:`SHAPES` names the shapes the e2e matrix
+runs: GQA with head_dim 64 (4 query heads, 2 KV heads) and MHA with head_dim 128
+(2 query heads, 2 KV heads), 3 layers each, 1024 positions.
+
+Random weights initialised like the originals (std 0.02) give nearly uniform logits:
+greedy decoding then repeats one token whatever the context, and an end-to-end
+comparison would pass even if the decode's KV were garbage. Scaling every weight
+matrix (embeddings included) by ``SCALE`` makes attention and logits sharp: the
+continuation depends on the whole prompt (the test checks this on the baseline).
 
 Run as a script (so that torch's import stays out of the pytest process):
-``python tests/e2e/e2e_model.py DIR`` prints the model directory; idempotent.
+``python tests/e2e/e2e_model.py DIR SHAPE`` prints the model directory; idempotent.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 SCALE = 20.0
-_NAME = f"opt-tiny-v1-x{int(SCALE)}"
+VOCAB_SIZE = 256
+MAX_POSITIONS = 1024
+SEED = 1234
+_SPECIALS = ("<pad>", "</s>", "<unk>")
 _STAMP = ".kvpush-e2e-model"
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "vllm"))
 
-from tiny_model import make_tiny_model  # noqa: E402
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int = 3
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
 
 
-def make_e2e_model(directory: str | os.PathLike[str]) -> Path:
+SHAPES = {
+    s.name: s
+    for s in (
+        Shape("gqa-d64", heads=4, kv_heads=2, head_dim=64),
+        Shape("mha-d128", heads=2, kv_heads=2, head_dim=128),
+    )
+}
+
+
+def make_e2e_model(directory: str | os.PathLike[str], shape: str = "gqa-d64") -> Path:
+    s = SHAPES[shape]
+    recipe = f"llama-{s.name}-l{s.layers}-x{int(SCALE)}-v1"
     root = Path(directory)
-    out = root / _NAME
+    out = root / recipe
     if (out / _STAMP).exists():
         return out
     import torch
-    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    base = make_tiny_model(root)
-    build = Path(tempfile.mkdtemp(prefix=f"{_NAME}.", dir=root))
-    for f in base.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            shutil.copy2(f, build / f.name)
-    weights = load_file(base / "model.safetensors")
+    root.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix=f"{recipe}.", dir=root))
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=s.hidden,
+        intermediate_size=2 * s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        sharp = {k: (v * SCALE if v.dim() >= 2 else v).contiguous() for k, v in weights.items()}
-    save_file(sharp, build / "model.safetensors", metadata={"format": "pt"})
-    (build / _STAMP).write_text(_NAME)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(SCALE)
+    model.save_pretrained(build, safe_serialization=True)
+
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(_SPECIALS), VOCAB_SIZE)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        bos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=MAX_POSITIONS,
+    )
+    fast.save_pretrained(build)
+    (build / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 1, "pad_token_id": 0})
+    )
+    (build / _STAMP).write_text(recipe)
     if out.exists():
         shutil.rmtree(out)
     build.rename(out)
@@ -57,4 +116,5 @@ def make_e2e_model(directory: str | os.PathLike[str]) -> Path:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(make_e2e_model(sys.argv[1]))
+    for name in sys.argv[2:] or ["gqa-d64"]:
+        print(make_e2e_model(sys.argv[1], name))

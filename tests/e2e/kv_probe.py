@@ -1,4 +1,7 @@
-"""A do-nothing KV connector that records what vLLM hands ``register_kv_caches``.
+"""KV probes for the e2e test: what vLLM hands ``register_kv_caches``, and the KV of
+every handoff (:class:`KvpushProbeConnector`).
+
+``KvProbeConnector`` is a do-nothing KV connector that records those tensors.
 
 Used by the e2e test to pin down the worker-side KV tensors of the CPU backend in the
 vLLM build under test (shape, strides, dtype, how the layers share one buffer): the
@@ -26,6 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
 )
+
+from kvpush_vllm._tensors import layer_index
+from kvpush_vllm.connector import KvpushConnector
 
 
 class KvProbeConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -79,6 +85,80 @@ class KvProbeConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KVConnectorMetadata()
+
+
+class KvpushProbeConnector(KvpushConnector):
+    """``KvpushConnector`` that dumps the KV of every handoff, for the e2e KV check.
+
+    Set ``KVPUSH_E2E_KV_DUMP=DIR`` in the engine's environment. A prefill dumps the
+    blocks of each finished prefill leg, a decode those of each completed load (not
+    the failed ones), each at the start of the next step, before any forward pass can
+    touch them: ``DIR/{prefill,decode}-{transfer id}-r{rank}.npy`` holds the rank's
+    tiles ``(layers, blocks, heads, block_size, 2 * head_size)`` and a ``.json`` beside
+    it ``{"tokens": prompt length, "skip": tokens the decode already held,
+    "block_size": ...}``. The test compares them token by token (K and V, every
+    layer and head).
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._dump = Path(os.environ["KVPUSH_E2E_KV_DUMP"])
+        self._pending: dict[str, tuple[str, list[int], int, int]] = {}  # req -> dump order
+        self._ready: list[tuple[str, str, list[int], int, int]] = []
+        self._kv: dict[str, Any] = {}
+
+    # scheduler side
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        skip = self._local_hits.get(request.request_id, 0)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        params = self._params(request)
+        if num_external_tokens > 0 and params is not None:
+            n = len(request.prompt_token_ids or ())
+            ids = list(blocks.get_block_ids()[0])
+            self._pending[request.request_id] = (params.transfer_id, ids, n, skip)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
+        delay, out = super().request_finished(request, block_ids)
+        params = self._params(request)
+        if delay and params is not None and params.role == "prefill":
+            ids = block_ids[0] if isinstance(block_ids, tuple) else block_ids
+            n = len(request.prompt_token_ids or ())
+            self._ready.append(("prefill", params.transfer_id, list(ids), n, 0))
+        return delay, out
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        for rid in meta.finished_recving:
+            order = self._pending.pop(rid, None)
+            if order is not None and rid not in meta.load_failures:
+                self._ready.append(("decode", *order))
+        meta.probe, self._ready = self._ready, []
+        return meta
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._kv = kv_caches
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        for role, tid, blocks, n, skip in getattr(connector_metadata, "probe", ()) or ():
+            self._write(role, tid, blocks, n, skip)
+
+    def _write(self, role: str, tid: str, blocks: list[int], n: int, skip: int) -> None:
+        import numpy as np
+        import torch
+
+        rank = self._worker.rank if self._worker is not None else 0
+        names = sorted(self._kv, key=layer_index)
+        idx = torch.tensor(blocks, dtype=torch.long)
+        tiles = np.stack([self._kv[name][idx].to(torch.float32).numpy() for name in names])
+        stem = self._dump / f"{role}-{tid}-r{rank}"
+        np.save(f"{stem}.tmp.npy", tiles)
+        Path(f"{stem}.json").write_text(
+            json.dumps({"tokens": n, "skip": skip, "block_size": self._block_size})
+        )
+        os.replace(f"{stem}.tmp.npy", f"{stem}.npy")
 
 
 def main() -> None:

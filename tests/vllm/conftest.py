@@ -104,7 +104,7 @@ def _none_hash() -> None:
 
 
 @pytest.fixture
-def make_scheduler(tiny_model_dir: Path) -> SchedulerFactory:
+def make_scheduler(tiny_model_dir: Path) -> Iterator[SchedulerFactory]:
     """Factory for vLLM's real ``Scheduler`` with the given connector on the tiny model.
 
     ``make_scheduler(kv_role, connector_name, module_path, extra_config, num_blocks=64,
@@ -115,7 +115,9 @@ def make_scheduler(tiny_model_dir: Path) -> SchedulerFactory:
     ``module_path`` None selects a connector from vLLM's own registry by name. The
     KVCacheConfig has one full-attention group over the model's attention layers, with
     its ``kv_cache_tensors`` planned by vLLM (so a worker can allocate real tensors).
+    Every scheduler it made is shut down (its connector's runtime closed) at teardown.
     """
+    made: list[Scheduler] = []
 
     def factory(
         kv_role: str,
@@ -187,9 +189,12 @@ def make_scheduler(tiny_model_dir: Path) -> SchedulerFactory:
             block_size=block_size,
             log_stats=log_stats,
         )
+        made.append(scheduler)
         return scheduler, vllm_config, kv_cache_config
 
-    return factory
+    yield factory
+    for scheduler in made:
+        scheduler.shutdown()
 
 
 def build_request(

@@ -46,6 +46,8 @@ class Engine:
     def __init__(
         self, make_scheduler: Any, make_worker: Any, role: str, extra: dict[str, Any], **kw: Any
     ) -> None:
+        # Block size 16 (vec16 ISA) runs in no real engine here: acknowledged as unproven.
+        extra = {"allow_unproven": ["block_size", "cpu_attn_isa"], **extra}
         self.scheduler, self.config, kv_cache_config = make_scheduler(
             role, CONNECTOR, MODULE, extra, **kw
         )
@@ -242,3 +244,60 @@ def test_an_aborted_prefill_fails_the_decode_load_at_once(
     run([prefill, decode], monkeypatch, lambda: "d5" in decode.recved, timeout=15)
     assert time.monotonic() - started < 10  # the deadline is 30 s
     assert "p5" not in prefill.scheduler.requests  # nothing held on the prefill
+
+
+@pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])
+def test_engines_with_different_block_sizes_refuse_the_handoff_naming_it(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    p_block: int,
+    d_block: int,
+) -> None:
+    """Issue 13 item 1: CPU tiles of 32 and 64 tokens were accepted and every K value
+    landed in the wrong place. Now the handshake refuses them (``block_size``), nothing
+    is copied, and the decode recomputes the prompt rather than decoding on garbage."""
+    port = free_port()
+    prefill = Engine(
+        make_scheduler, make_worker_connector, "kv_producer", {**FAST, "port": port},
+        block_size=p_block,
+    )  # fmt: skip
+    decode = Engine(
+        make_scheduler, make_worker_connector, "kv_consumer", FAST,
+        block_size=d_block, kv_load_failure_policy="recompute",
+    )  # fmt: skip
+    fill(prefill, 3)
+    prompt = list(range(3, 3 + 100))
+    tid, peer = f"kvp-bs-{p_block}-{d_block}", f"127.0.0.1:{port}"
+    decode.scheduler.add_request(
+        make_request("d1", prompt, 2, TransferParams(tid, "decode", Mode.PUSH, peer).to_params())
+    )
+    prefill.scheduler.add_request(
+        make_request("p1", prompt, 1, TransferParams(tid, "prefill", Mode.PUSH, "d").to_params())
+    )
+    scheduled: dict[str, int] = {}
+
+    def recomputed() -> bool:
+        prefill.step(monkeypatch)
+        scheduled.update(decode.step(monkeypatch).num_scheduled_tokens)
+        return "d1" in scheduled
+
+    with caplog.at_level("WARNING"):
+        run([], monkeypatch, recomputed)
+    assert scheduled["d1"] > 1  # recomputing the prompt, not decoding on garbage
+    assert "block_size" in caplog.text, caplog.text
+    assert not any(bool(kv.any()) for kv in decode.kv.values())  # nothing was written
+
+
+def test_an_engine_outside_the_proven_envelope_is_refused_at_start_up(
+    make_scheduler: Any,
+) -> None:
+    """Block size 16 runs in no real engine here (make e2e runs 32 and 64): the
+    connector refuses it when vLLM builds it, naming the field and the way out."""
+    with pytest.raises(Exception, match="refuses block_size = 16") as exc:
+        make_scheduler("kv_consumer", CONNECTOR, MODULE, {}, block_size=16)
+    assert '"allow_unproven": ["block_size"]' in str(exc.value)
+    sched, _, _ = make_scheduler("kv_consumer", CONNECTOR, MODULE, {}, block_size=32)
+    assert isinstance(sched.get_kv_connector(), KvpushConnector)

@@ -1,0 +1,163 @@
+"""What the connector accepts: only what ``make e2e`` proves token-identical.
+
+kvpush promises that a request's KV is exactly right or the request fails. The
+planner is proven over the layouts it models, but an engine's KV memory is
+only known by running one: vLLM's CPU backend, for instance, keeps a block's
+K *channel-major* (``[head_size][block_size]`` per head, checked against the
+kernel in ``tests/e2e/test_cpu_tile.py``), so a block of 32 tokens and one of
+64 share no token boundary inside their K halves. So the connector checks
+every fact that decides where KV bytes live against :data:`PROVEN`, the
+envelope the end-to-end matrix runs (tests/e2e/test_vllm_e2e.py), and refuses
+at start-up anything outside it with a :class:`~kvpush.protocol.ConfigError`
+naming the field. ``kv_connector_extra_config`` ``allow_unproven`` lists the
+fields an operator accepts anyway (each logged as a warning at start-up).
+
+What must also match the *peer* goes into the handshake fingerprint
+(:func:`handshake_fingerprint`): the KV dtype, and on the CPU backend its
+attention ISA (its tile format) and the block size (equal tiles are copied
+whole; the planner's block-size ratios cannot express a channel-major K).
+A mismatch fails the handshake with ``IncompatiblePeerError`` naming the
+field; the decode's reservations to that peer fail (and recompute or fail as
+vLLM's ``kv_load_failure_policy`` says).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.protocol import ConfigError, KVLayout
+
+__all__ = ("FIELDS", "PROVEN", "Facts", "check_proven", "handshake_fingerprint", "kv_layout_kind")
+
+log = logging.getLogger("kvpush.vllm")
+
+#: Field -> the values ``make e2e`` runs (docs/vllm.md, "Supported and refused").
+PROVEN: Mapping[str, frozenset[str]] = {
+    "kv_layout": frozenset({"cpu-tile"}),
+    "cpu_attn_isa": frozenset({"vec"}),
+    "kv_dtype": frozenset({"float32"}),
+    "block_size": frozenset({"32", "64"}),
+    "head_size": frozenset({"64", "128"}),
+    # TP 2 engines run on the CPU backend, but their NIXL agents cannot reach a peer's
+    # there (UCX: connection refused): no TP 2 handoff has been proven.
+    "tensor_parallel_size": frozenset({"1"}),
+    "pipeline_parallel_size": frozenset({"1"}),
+    "use_mla": frozenset({"False"}),
+    "kv_cache_groups": frozenset({"FullAttentionSpec"}),
+}
+#: Every field :func:`check_proven` may refuse (the names ``allow_unproven`` takes).
+FIELDS = frozenset(PROVEN)
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What one engine's vLLM config says about where its KV lives."""
+
+    platform: str
+    kv_dtype: str
+    block_size: int
+    head_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    use_mla: bool
+    #: Spec class names of the KV cache groups (``"?"`` when vLLM did not say).
+    kv_cache_groups: tuple[str, ...]
+    #: The CPU backend's attention ISA ("" off CPU; "unknown" if vLLM would not say).
+    cpu_attn_isa: str
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> Facts:
+        model, cache = vllm_config.model_config, vllm_config.cache_config
+        parallel = vllm_config.parallel_config
+        dtype = str(model.dtype).removeprefix("torch.")
+        cache_dtype = str(getattr(cache, "cache_dtype", "auto") or "auto")
+        kv_dtype = dtype if cache_dtype == "auto" else cache_dtype
+        platform = str(getattr(vllm_config.device_config, "device_type", "") or "")
+        groups: tuple[str, ...] = ("?",)
+        if kv_cache_config is not None:
+            groups = tuple(type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups)
+        isa = ""
+        if platform == "cpu":
+            isa = _cpu_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache_dtype)
+        return cls(
+            platform=platform,
+            kv_dtype=kv_dtype,
+            block_size=int(cache.block_size),
+            head_size=int(model.get_head_size()),
+            tensor_parallel_size=int(parallel.tensor_parallel_size),
+            pipeline_parallel_size=int(parallel.pipeline_parallel_size),
+            use_mla=bool(getattr(model, "use_mla", False)),
+            kv_cache_groups=groups,
+            cpu_attn_isa=isa,
+        )
+
+    def values(self) -> dict[str, str]:
+        """The start-up fields as checked against :data:`PROVEN` (all but ``kv_layout``)."""
+        out = {
+            "kv_dtype": self.kv_dtype,
+            "block_size": str(self.block_size),
+            "head_size": str(self.head_size),
+            "tensor_parallel_size": str(self.tensor_parallel_size),
+            "pipeline_parallel_size": str(self.pipeline_parallel_size),
+            "use_mla": str(self.use_mla),
+            "kv_cache_groups": "+".join(self.kv_cache_groups),
+        }
+        if self.platform == "cpu":
+            out["cpu_attn_isa"] = self.cpu_attn_isa
+        return out
+
+
+def _cpu_attn_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The ISA vLLM's CPU attention picks (its KV tile format depends on it)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except Exception:
+        return "unknown"
+    try:
+        return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
+    except Exception as exc:
+        return f"unsupported ({exc})"[:120]
+
+
+def kv_layout_kind(layout: KVLayout) -> str:
+    """``"cpu-tile"`` (the CPU backend's K-then-V tiles, one ``"KV"`` region a layer),
+    ``"split-NHD"`` or ``"split-HND"`` (separate K and V regions), or ``"mixed"``."""
+    kinds = {"cpu-tile" if r.kind == "KV" else f"split-{r.order.value}" for r in layout.regions}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def check_proven(fields: Mapping[str, str], allow: Iterable[str], where: str) -> None:
+    """Refuse any value outside :data:`PROVEN` unless its field is in ``allow``.
+
+    Raises :class:`ConfigError` naming the first unproven field not allowed;
+    logs one warning per unproven field that is allowed.
+    """
+    allowed = frozenset(allow)
+    for name, value in fields.items():
+        proven = PROVEN[name]
+        if value in proven:
+            continue
+        if name in allowed:
+            log.warning(
+                "kvpush: %s %s = %s is not proven end to end (make e2e runs %s); "
+                "running it because allow_unproven lists it",
+                where, name, value, ", ".join(sorted(proven)),
+            )  # fmt: skip
+            continue
+        raise ConfigError(
+            f"kvpush refuses {name} = {value} ({where}): not proven token-identical end to "
+            f"end (make e2e runs {name} in {{{', '.join(sorted(proven))}}}; docs/vllm.md, "
+            f"'Supported and refused'). To run it anyway, list it in kv_connector_extra_config "
+            f'"allow_unproven": ["{name}"]'
+        )
+
+
+def handshake_fingerprint(facts: Facts, layout: KVLayout) -> tuple[tuple[str, str], ...]:
+    """Entries the peer's must equal (``Identity.fingerprint``); see the module docs."""
+    out = [("kv_dtype", facts.kv_dtype)]
+    if kv_layout_kind(layout) == "cpu-tile":
+        out += [("cpu_attn_isa", facts.cpu_attn_isa), ("block_size", str(facts.block_size))]
+    return tuple(out)

@@ -1,0 +1,117 @@
+"""The stall rule in the core (issue 13, 8): the runtime only measures a gap
+in its own running and reports it (``stalled(now, gap)``); the endpoint drops
+the lease-bearing messages it receives within ``Timing.stall_guard`` after."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.protocol import (
+    Announce,
+    Consumer,
+    ConsumerConfig,
+    CState,
+    Identity,
+    LocalProtocolError,
+    Mode,
+    Producer,
+    ProducerConfig,
+    PState,
+    Register,
+    Reserved,
+    Role,
+    Send,
+    StartRead,
+    Timing,
+)
+from kvpush.testing import InvariantViolation, World, WorldConfig
+
+P, D = "prefill", "decode"
+TIMING = Timing(max_transit=1.0, op_bound=2.0)  # stall_guard 0.5 s
+
+
+def ready_producer() -> Producer:
+    p = Producer(ProducerConfig(Identity(P, 1), TIMING))
+    p.receive(0.0, D, Identity(D, 1).hello(Role.CONSUMER, 2.0))
+    p.drain()
+    return p
+
+
+def test_the_producer_drops_a_registration_read_just_after_a_stall() -> None:
+    p = ready_producer()
+    assert TIMING.stall_guard == 0.5
+    p.stalled(10.0, 4.0)
+    p.receive(10.2, D, Register("t1", 1, D, ((7,),), 30.0))
+    assert p.transfers() == [] and p.drain() == []
+    assert p.stats()["dropped_after_stall"] == 1
+    assert p.stats()["stalls"] == 1
+    assert p.stall_dropped == 1
+    p.receive(10.6, D, Register("t2", 1, D, ((8,),), 30.0))  # past the window
+    assert p.transfers() == [("t2", PState.WAIT_KV)]
+
+
+def test_the_consumer_drops_an_announce_read_just_after_a_stall() -> None:
+    c = Consumer(ConsumerConfig(Identity(D, 1), TIMING))
+    r = c.reserve(0.0, "t1", P, [[1]], mode=Mode.PULL)
+    assert isinstance(r, Reserved)
+    c.receive(0.0, P, Identity(P, 1).hello(Role.PRODUCER, 2.0))
+    c.drain()
+    c.stalled(5.0, 3.0)
+    c.receive(5.0, P, Announce("t1", r.epoch, ((3,),), 20.0))
+    assert not any(isinstance(o, StartRead) for o in c.drain())
+    assert c.reservations() == [("t1", r.epoch, CState.AWAITING)]
+    assert c.stats()["dropped_after_stall"] == 1
+    c.receive(5.0, P, Identity(P, 1).hello(Role.PRODUCER, 2.0))  # others pass
+    assert c.stats()["hello_duplicate"] == 1
+
+
+def test_stalled_needs_a_gap() -> None:
+    p = ready_producer()
+    with pytest.raises(LocalProtocolError, match="gap"):
+        p.stalled(1.0, 0.0)
+    with pytest.raises(LocalProtocolError, match="gap"):
+        p.stalled(1.0, float("inf"))
+
+
+def test_the_stall_window_is_configurable() -> None:
+    assert Timing(max_transit=4.0).stall_guard == 2.0
+    assert Timing(stall_window=0.1).stall_guard == 0.1
+
+
+def _late_registration(world: World) -> None:
+    """The consumer reserves; the prefill, its KV ready, stops before it reads
+    the Register; the consumer's deadline and quarantine pass and it reuses
+    the blocks; the prefill resumes and reads the Register late."""
+    assert world.kv_ready("t0")
+    assert world.reserve("t0")
+    world.stall(P, 20.0)  # ready_timeout 5: deadline, quarantine, released
+    while world.ops:
+        world.post(0)
+        if world.ops and world.ops[0].posted_at is not None:
+            world.land(0)
+
+
+def test_the_model_shows_what_the_rule_prevents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The world's stall move, with the rule taken away (today's core has no
+    such input): the late registration's write lands in blocks the consumer
+    already released. With the rule, the Register is dropped."""
+    cfg = WorldConfig(ready_timeout=5.0, kv_hold_timeout=100.0, tombstone_ttl=200.0)
+    world = World(cfg)
+    _late_registration(world)
+    assert world.stall_losses == {"t0"}
+    assert world.producer.stats()["dropped_after_stall"] == 1
+    world.quiesce()
+    assert world.ready == set()
+    monkeypatch.setattr(Producer, "stalled", lambda self, now, gap: None)
+    with pytest.raises(InvariantViolation, match="I1"):
+        _late_registration(World(cfg))
+
+
+def test_a_stall_shorter_than_the_frames_age_changes_nothing_else() -> None:
+    w = World(WorldConfig())
+    assert w.reserve("t0")
+    assert w.kv_ready("t0")
+    w.stall(D, 0.6)
+    w.quiesce()
+    assert w.ready == {"t0"}
+    assert not any(isinstance(o, Send) for o in w.consumer.drain())
