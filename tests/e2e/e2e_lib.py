@@ -64,6 +64,13 @@ def skip_reason() -> str | None:
     return None
 
 
+
+def skip_unless_e2e_venv() -> None:
+    """Skip the calling test module unless this is the e2e venv."""
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason, allow_module_level=True)
+
 def make_model(work: Path, shape: str) -> Path:
     t0 = time.monotonic()
     made = subprocess.run(

@@ -13,11 +13,9 @@ import subprocess
 import sys
 
 import pytest
-from e2e_lib import HERE, skip_reason
+from e2e_lib import HERE, skip_unless_e2e_venv
 
-_SKIP = skip_reason()
-if _SKIP is not None:
-    pytest.skip(_SKIP, allow_module_level=True)
+skip_unless_e2e_venv()
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -48,12 +48,10 @@ from e2e_lib import (
     prompts,
     router,
     running,
-    skip_reason,
+    skip_unless_e2e_venv,
 )
 
-_SKIP = skip_reason()
-if _SKIP is not None:
-    pytest.skip(_SKIP, allow_module_level=True)
+skip_unless_e2e_venv()
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
