@@ -161,7 +161,11 @@ async def test_a_decode_that_reserves_before_its_prefill_listens_still_transfers
         assert cons.channel.statistics().peers["prefill"].dropped_old >= 1
         stats = cons.runtime.endpoint.stats()
         assert stats.get("hello_resent_on_connect", 0) + stats.get("hello_retry", 0) >= 1
-        assert prod.runtime.endpoint.held_blocks == 0
+        # The decode's Ready can come before the prefill's pump has seen its
+        # own write finish; the source is released soon after, not never.
+        with anyio.fail_after(5):
+            while prod.runtime.endpoint.held_blocks:
+                await anyio.sleep(0.02)
 
 
 async def test_a_prefill_restart_outlasting_the_loss_timer_with_requests_recovers(
