@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo demo-xpyd e2e lint typecheck check bench explore long clean
+.PHONY: test test-fast demo demo-xpyd e2e lint typecheck check bench explore long clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,28 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# Quick iterations: the core and runtime tests in .venv-fast, a venv with the
+# dev extra only (no NIXL, no vLLM: their tests skip, each saying why) and
+# without the e2e matrix. `make test` stays the one complete run.
+FAST_VENV  := .venv-fast
+FAST_PY    := $(FAST_VENV)/bin/python
+FAST_STAMP := $(FAST_VENV)/.installed
+
+$(FAST_STAMP): pyproject.toml
+	test -x $(FAST_PY) || $(PYTHON) -m venv $(FAST_VENV)
+	$(FAST_PY) -m pip install -q --upgrade pip
+	$(FAST_PY) -m pip install -q -e '.[dev]'
+	touch $(FAST_STAMP)
+
+test-fast: $(FAST_STAMP)
+	KVPUSH_HYPOTHESIS_PROFILE=dev $(FAST_PY) -m pytest -q -m 'not e2e' -p no:cacheprovider
+
+# Lint, types and the fast tests (what to run before a commit).
+check: $(FAST_STAMP)
+	$(FAST_PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks
+	$(FAST_PY) -m mypy
+	$(MAKE) test-fast
+
 # The long property run (>= 10,000 examples per state machine).
 long: $(STAMP)
 	KVPUSH_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_properties.py -p no:cacheprovider -o timeout=0
@@ -71,4 +93,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/nixl_throughput.py --plot nixl_throughput.png
 
 clean:
-	rm -rf $(VENV) $(E2E_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FAST_VENV) $(E2E_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -107,7 +107,8 @@ def pull_on_caller_cost(n: int = 300, prompt_tokens: int = 512) -> dict[str, Any
     import numpy as np
 
     from kvpush.demo._model import MODELS, SideGeometry
-    from kvpush.protocol import HeadSlice, Role, Route, TransferPlanner
+    from kvpush.protocol import HeadSlice, Role, Route
+    from kvpush.runtime import TransferPlanner
     from kvpush_nixl import NixlTransport
 
     model = MODELS["small"]

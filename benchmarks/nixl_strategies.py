@@ -1,6 +1,6 @@
 """Compare NixlTransport's two ways to post a plan, and its progress-thread choice.
 
-Every transfer is planned by :class:`~kvpush.protocol.TransferPlanner` over
+Every transfer is planned by :class:`~kvpush.runtime.TransferPlanner` over
 layouts with split K and V regions per layer, so ``pieces = 2 * layers *
 blocks``; destination blocks are *contiguous* (merged to one row per region),
 in *runs of 2*, or *fragmented* (every other block, shuffled: nothing merges).
@@ -55,9 +55,9 @@ from kvpush.protocol import (
     Role,
     Route,
     Source,
-    TransferPlanner,
     layer_regions,
 )
+from kvpush.runtime import TransferPlanner
 from kvpush_nixl import NixlTransport
 
 KIB = 1024

@@ -40,7 +40,7 @@ descriptor set has ``4 * n / 2`` rows (runs do not merge across regions).
 completion notice does; all agents run without NIXL's progress thread and
 with the STRICT lock mode, NixlTransport's defaults):
 
-* ``kvpush``: :class:`~kvpush.protocol.TransferPlanner` over the two layouts,
+* ``kvpush``: :class:`~kvpush.runtime.TransferPlanner` over the two layouts,
   then :class:`~kvpush_nixl.NixlTransport` exactly as the runtime's DataPlane
   posts a plan: ``prefers_prepped(plan.num_descriptors, plan.num_pieces)``
   picks ``write_prepped`` with ``plan.indices()`` into lists prepared once per
@@ -103,10 +103,10 @@ from kvpush.protocol import (
     MemoryType,
     Role,
     Route,
-    TransferPlanner,
     compute_topology,
     layer_regions,
 )
+from kvpush.runtime import TransferPlanner
 from kvpush_nixl import NixlTransport
 
 KIB = 1024

@@ -20,9 +20,8 @@ import time
 
 import numpy as np
 
-from kvpush.protocol._layout import KVLayout, layer_regions
-from kvpush.protocol._plan import TransferPlanner
-from kvpush.protocol._topology import compute_topology
+from kvpush.protocol import KVLayout, compute_topology, layer_regions
+from kvpush.runtime import TransferPlanner
 
 LAYERS = 64
 BLOCKS = 1024

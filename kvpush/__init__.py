@@ -2,7 +2,11 @@
 
 ``kvpush.protocol`` is the sans-IO core; everything it exports is re-exported
 here. ``kvpush.testing`` (the ``testing`` extra) holds the fake network, fake
-clock, invariant checks and hypothesis strategies.
+clock, invariant checks and hypothesis strategies. Above the core sit the
+runtime (``kvpush.runtime``), the transports (``kvpush.shm``, ``kvpush_nixl``),
+the vLLM shim (``kvpush_vllm``) and the applications (``kvpush demo``,
+``kvpush simulate``, ``kvpush router``); docs/architecture.md says what each
+may import.
 """
 
 from __future__ import annotations

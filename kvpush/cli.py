@@ -1,84 +1,87 @@
 """The ``kvpush`` command line (``kvpush demo ...``, ``kvpush router ...``,
-``kvpush simulate ...``; also ``python -m kvpush ...``). ``router`` is the vLLM
-router of ``kvpush_vllm`` and ``simulate`` the fleet simulator of
-``kvpush.sim``, each imported only when asked for: this is the application
-layer, the one place that composes the packages."""
+``kvpush simulate ...``; also ``python -m kvpush ...``).
+
+Each command is an entry of the ``kvpush.commands`` registry (entry points in
+``pyproject.toml``; docs/architecture.md): ``demo`` is :mod:`kvpush.demo`'s,
+``simulate`` :mod:`kvpush.sim`'s and ``router`` the vLLM package's. This module
+imports none of them by name, so a package above ``kvpush`` (the router, in
+``kvpush_vllm``) adds its command without ``kvpush`` depending on it. A
+command whose optional dependencies are missing is still listed; running it
+says what is missing and how to install it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from importlib.metadata import EntryPoint, entry_points
+from typing import Protocol
 
-__all__ = ("main",)
+__all__ = ("COMMANDS_GROUP", "Command", "build_parser", "main")
+
+#: The entry-point group commands register under.
+COMMANDS_GROUP = "kvpush.commands"
+
+
+class Command(Protocol):
+    """What a ``kvpush.commands`` entry point names: a module (or any object)
+    with these four names. ``add_arguments`` may raise
+    :class:`ModuleNotFoundError` for a missing optional dependency; the
+    command's ``INSTALL_HINT`` string, if it has one, is printed with it."""
+
+    HELP: str
+    DESCRIPTION: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every installed command."""
     from kvpush import __version__
-    from kvpush.demo import add_arguments
 
     parser = argparse.ArgumentParser(
         prog="kvpush", description="Push-mode KV-cache handoff between prefill and decode."
     )
     parser.add_argument("--version", action="version", version=f"kvpush {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    demo = commands.add_parser(
-        "demo",
-        help="run prefill and decode instances on loopback and hand off KV between them",
-        description="Start a router and prefill and decode instances (one of each unless "
-        "--prefills/--decodes/--preset say otherwise; a leader process plus one process per "
-        "TP rank each) on this machine, hand off the KV of --requests requests over NIXL or "
-        "shared memory, check every block, and report the phase timeline.",
-    )
-    add_arguments(demo)
-    router = commands.add_parser(
-        "router",
-        help="OpenAI-compatible proxy for disaggregated vLLM: each request to a prefill "
-        "and a decode instance at once",
-        description="Proxy /v1/completions and /v1/chat/completions: dispatch every request "
-        "to a prefill instance (max_tokens=1) and a decode instance at the same time, with "
-        "one kvpush transfer id, and stream the decode's answer back (docs/router.md).",
-    )
-    simulate = commands.add_parser(
-        "simulate",
-        help="simulate a P/D fleet (pull, push, bg-pull) on the real protocol core",
-        description="Discrete-event model of prefill and decode instances, links and a "
-        "router, with the real kvpush producer and consumer on a simulated clock; prints "
-        "TTFT and TPOT per mode, QPS and input length (docs/simulation.md).",
-    )
-    _simulate_arguments(simulate)
-    try:
-        from kvpush_vllm._router import add_router_arguments
-    except ImportError as exc:  # h11 missing: say so when the command is used
-        router.set_defaults(router_missing=str(exc))
-    else:
-        add_router_arguments(router)
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
+        _add(commands, ep)
     return parser
 
 
-def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvpush.sim._cli import add_arguments
+def _add(commands: argparse._SubParsersAction[argparse.ArgumentParser], ep: EntryPoint) -> None:
+    try:
+        command: Command = ep.load()
+    except ModuleNotFoundError as exc:  # its package, or a library it needs, is not installed
+        sub = commands.add_parser(ep.name, help=f"(unavailable: {exc})")
+        _unavailable(sub, f"{ep.value} cannot be imported: {exc}")
+        return
+    sub = commands.add_parser(ep.name, help=command.HELP, description=command.DESCRIPTION)
+    try:
+        command.add_arguments(sub)
+    except ModuleNotFoundError as exc:  # an optional dependency: say so when the command is used
+        hint = getattr(command, "INSTALL_HINT", "")
+        _unavailable(sub, f"{exc}; {hint}" if hint else str(exc))
+        return
+    sub.set_defaults(kvpush_command=command)
 
-    add_arguments(parser)
+
+def _unavailable(sub: argparse.ArgumentParser, why: str) -> None:
+    sub.set_defaults(kvpush_command=None, kvpush_unavailable=why)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    if args.command == "simulate":
-        from kvpush.sim._cli import run as run_simulation
-
-        return run_simulation(args)
-    if args.command == "router":
-        missing = getattr(args, "router_missing", None)
-        if missing:
-            import sys
-
-            print(f"kvpush router: {missing}; install kvpush[router]", file=sys.stderr)
-            return 2
-        from kvpush_vllm._router import run_router
-
-        return run_router(args)
-    from kvpush.demo import run
-
-    status: int = run(args)
-    return status
+    parser = build_parser()
+    # Known args only, so that an unavailable command's flags reach the message below.
+    args, extra = parser.parse_known_args(argv)
+    command: Command | None = args.kvpush_command
+    if command is None:
+        print(f"kvpush {args.command}: {args.kvpush_unavailable}", file=sys.stderr)
+        return 2
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return int(command.run(args))

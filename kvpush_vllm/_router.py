@@ -25,12 +25,11 @@ import anyio
 from kvpush.protocol import ConfigError, Mode
 
 from ._params import TransferParams
-from ._router_core import DecodeSpec, Load, PrefillSpec
+from ._router_core import DecodeSpec, PrefillSpec
 from ._router_server import Router, RouterConfig, RouterStats
 
 __all__ = (
     "DecodeSpec",
-    "Load",
     "PrefillSpec",
     "Router",
     "RouterConfig",

@@ -1,5 +1,6 @@
-"""The router's decisions, without I/O: upstream specs, load-based choice,
-the two legs' bodies, and the client-facing errors.
+"""The router's decisions, without I/O: upstream specs, the load estimate,
+the two legs' bodies, and the client-facing errors (the choice of upstreams
+is :mod:`kvpush.routing`'s).
 
 Nothing here touches a socket or a clock; the pump (``_router_server``) feeds
 requests in and carries the results out.
@@ -20,11 +21,9 @@ from kvpush.protocol import ConfigError, Mode
 from ._params import LegRole, TransferParams, parse_host_port
 
 __all__ = (
-    "Balancer",
     "DecodeSpec",
     "Failure",
     "FailureKind",
-    "Load",
     "PrefillSpec",
     "RequestError",
     "UpstreamUrl",
@@ -116,54 +115,6 @@ class DecodeSpec:
         if not name:
             raise ConfigError(f"decode name after '@' is empty in {text!r}")
         return cls(UpstreamUrl.parse(url), name)
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """One upstream's load as the router sees it (a snapshot)."""
-
-    #: Requests dispatched to it and not yet finished.
-    outstanding: int
-    #: Estimated KV blocks those requests hold.
-    reserved_blocks: int
-
-
-class Balancer:
-    """Least-loaded choice over ``n`` upstreams.
-
-    The key is (reserved blocks, outstanding requests, least recently picked):
-    KV memory first, then request slots; ties rotate.
-    """
-
-    def __init__(self, n: int) -> None:
-        if n < 1:
-            raise ConfigError("a balancer needs at least one upstream")
-        self._outstanding = [0] * n
-        self._blocks = [0] * n
-        self._last = [i - n for i in range(n)]  # never picked: index order
-        self._picks = 0
-
-    def acquire(self, blocks: int) -> int:
-        """Pick the least-loaded upstream and charge it ``blocks``; returns its index."""
-        best = min(
-            range(len(self._blocks)),
-            key=lambda i: (self._blocks[i], self._outstanding[i], self._last[i]),
-        )
-        self._outstanding[best] += 1
-        self._blocks[best] += blocks
-        self._last[best] = self._picks
-        self._picks += 1
-        return best
-
-    def release(self, index: int, blocks: int) -> None:
-        """Give back what :meth:`acquire` charged ``index``."""
-        if self._outstanding[index] < 1 or self._blocks[index] < blocks:
-            raise ValueError(f"release of upstream {index} without a matching acquire")
-        self._outstanding[index] -= 1
-        self._blocks[index] -= blocks
-
-    def loads(self) -> tuple[Load, ...]:
-        return tuple(Load(o, b) for o, b in zip(self._outstanding, self._blocks, strict=True))
 
 
 def _text_tokens(text: str) -> int:

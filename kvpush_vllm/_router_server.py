@@ -18,13 +18,12 @@ import h11
 from anyio.abc import ByteStream, Listener, SocketAttribute, SocketStream, TaskStatus
 
 from kvpush.protocol import ConfigError, Mode
+from kvpush.routing import InstanceLoad, Ledger
 
 from ._params import new_transfer_id
 from ._router_core import (
-    Balancer,
     DecodeSpec,
     FailureKind,
-    Load,
     PrefillSpec,
     RequestError,
     error_body,
@@ -104,8 +103,8 @@ class RouterStats:
     requests: int
     failures: int
     rejected: int
-    prefills: tuple[Load, ...]
-    decodes: tuple[Load, ...]
+    prefills: tuple[InstanceLoad, ...]
+    decodes: tuple[InstanceLoad, ...]
 
 
 class Router:
@@ -114,8 +113,8 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self._prefill_load = Balancer(len(config.prefills))
-        self._decode_load = Balancer(len(config.decodes))
+        #: No capacity: the router does not know the upstreams' pools.
+        self._ledger = Ledger(len(config.prefills), len(config.decodes))
         self._inflight = self._requests = self._failures = self._rejected = 0
         self._timeouts = Timeouts(
             connect=config.connect_timeout,
@@ -130,8 +129,8 @@ class Router:
             self._requests,
             self._failures,
             self._rejected,
-            self._prefill_load.loads(),
-            self._decode_load.loads(),
+            self._ledger.prefills,
+            self._ledger.decodes,
         )
 
     async def listen(self) -> Listener[SocketStream]:
@@ -207,7 +206,7 @@ class Router:
     def _health(self) -> dict[str, Any]:
         stats = self.statistics()
 
-        def loads(specs: tuple[Any, ...], values: tuple[Load, ...]) -> list[dict[str, Any]]:
+        def loads(specs: tuple[Any, ...], values: tuple[InstanceLoad, ...]) -> list[dict[str, Any]]:
             return [
                 {
                     "url": str(s.url),
@@ -263,8 +262,9 @@ class Router:
             return await _error(conn, 400, f"the request body is not JSON: {exc}")
         blocks = estimate_blocks(estimate_prompt_tokens(body), self.config.block_size)
         tid = new_transfer_id()
-        p = self._prefill_load.acquire(blocks)
-        d = self._decode_load.acquire(blocks)
+        choice = self._ledger.acquire(blocks)
+        assert choice is not None  # no capacity: there is always a pick
+        p, d = choice.prefill, choice.decode
         prefill, decode = self.config.prefills[p], self.config.decodes[d]
         pre, dec = split_request(body, transfer_id=tid, mode=mode, prefill=prefill, decode=decode)
         log.debug("kvpush router: %s %s -> %s + %s", tid, mode.value, prefill.url, decode.url)
@@ -272,8 +272,8 @@ class Router:
             conn,
             request.path,
             tid,
-            LegPlan(prefill.url, _json(pre), lambda: self._prefill_load.release(p, blocks)),
-            LegPlan(decode.url, _json(dec), lambda: self._decode_load.release(d, blocks)),
+            LegPlan(prefill.url, _json(pre), lambda: self._ledger.release_prefill(p, blocks)),
+            LegPlan(decode.url, _json(dec), lambda: self._ledger.release_decode(d, blocks)),
             _forwarded(request),
             self._timeouts,
         )

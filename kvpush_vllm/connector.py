@@ -46,7 +46,7 @@ from ._worker import WorkerSide
 if TYPE_CHECKING:
     import torch
 
-__all__ = ("KvpushConnector", "KvpushMetadata", "KvpushWorkerMetadata")
+__all__ = ("KvpushConnector", "KvpushHandshake", "KvpushMetadata", "KvpushWorkerMetadata")
 
 log = logging.getLogger("kvpush.vllm")
 

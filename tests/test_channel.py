@@ -3,12 +3,14 @@ peer loss, garbage, backpressure and shutdown. Every test has a hard time limit.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import random
 import struct
 import typing
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -16,6 +18,7 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectSendStream
 
+import kvpush.runtime
 from kvpush.protocol import (
     Abort,
     Announce,
@@ -94,11 +97,6 @@ ALL_MESSAGES: list[ControlMessage] = [
     ReadDone("t-2", 1, True),
     Heartbeat(7),
 ]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 # --- helpers -------------------------------------------------------------------------
@@ -704,3 +702,18 @@ async def test_shutdown_fails_pending_senders_promptly() -> None:
                 a.send_nowait("b", Heartbeat(3))
             assert [ev async for ev in a.events()] == []  # the stream has ended
             await a.aclose()  # idempotent
+
+
+def test_the_runtime_modules_import_no_private_names_from_each_other() -> None:
+    """The channel's parts (framing, links, peers) meet through the names their
+    modules declare, not through each other's underscored internals."""
+    imported = [
+        f"{path.name}: {node.module}.{a.name}"
+        for path in Path(kvpush.runtime.__file__).parent.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and (node.level > 0 or (node.module or "").startswith("kvpush"))
+        for a in node.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    ]
+    assert imported == []

@@ -27,6 +27,8 @@ CHANNEL_LOG = "kvpush.runtime.channel"
 REFUSED = re.compile(r"refused (\d+) connection\(s\) before their preamble")
 
 
+# asyncio only, for the suite's time: it passes on trio too (tests/conftest.py's
+# BACKENDS; drop this fixture to run both). The channel's trio run is test_channel.py.
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

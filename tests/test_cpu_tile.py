@@ -26,9 +26,9 @@ from kvpush.protocol import (
     Identity,
     IncompatiblePeerError,
     Role,
-    TransferPlanner,
     check_compatible,
 )
+from kvpush.runtime import TransferPlanner
 from kvpush_vllm._config import ConnectorConfig
 from kvpush_vllm._proven import Facts, check_proven, handshake_fingerprint, kv_layout_kind
 from kvpush_vllm._tensors import layout_from_tensors, token_scale

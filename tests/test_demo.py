@@ -22,7 +22,6 @@ import pytest
 
 from kvpush.cli import build_parser, main
 from kvpush.demo import MODELS, DemoError
-from kvpush.demo._balance import Balancer
 from kvpush.demo._cli import shape_of
 from kvpush.demo._model import SideGeometry, plan_pool
 from kvpush.demo._pattern import corrupt_blocks, fill, request_seed
@@ -86,7 +85,7 @@ def _demo(*args: str, timeout: float = 180) -> tuple[dict[str, object], str]:
     return json.loads(lines[0]), proc.stderr
 
 
-@pytest.mark.parametrize("transport", ["nixl", "memory"])
+@pytest.mark.parametrize("transport", [pytest.param("nixl", marks=pytest.mark.nixl), "memory"])
 @pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize(("tp_prefill", "tp_decode"), [(1, 1), (2, 1), (1, 2)])
 def test_demo_hands_off_and_checks_every_block(
@@ -114,7 +113,10 @@ def test_demo_hands_off_and_checks_every_block(
     _assert_clean(*_run_info(stderr))
 
 
-@pytest.mark.parametrize(("transport", "mode"), [("nixl", "push"), ("memory", "pull")])
+@pytest.mark.parametrize(
+    ("transport", "mode"),
+    [pytest.param("nixl", "push", marks=pytest.mark.nixl), ("memory", "pull")],
+)
 def test_every_phase_is_measured_and_they_sum_to_ttft(transport: str, mode: str) -> None:
     """Regression: handoff preparation and ready were 0.000 in every run
     (``write_started`` and ``kv_ready`` were the same float, ``ready`` the
@@ -141,11 +143,11 @@ def test_the_phases_of_one_request_follow_each_other() -> None:
     """The report's arithmetic on stamps typed in: each phase starts where
     the one before ends (push: the prefill's writes, the decode's notices)."""
     from kvpush.demo._report import CHAIN, _phases, sum_error
-    from kvpush.demo._router import Record
+    from kvpush.demo._router import RequestRecord
     from kvpush.demo._wire import ConsumerResult, OpsSummary, ProducerResult
 
     ops = OpsSummary(planned=10.004, planning=0.001, posting=0.002, done=10.007)
-    rec = Record("t", dispatched=9.0)
+    rec = RequestRecord("t", dispatched=9.0)
     rec.producer = ProducerResult("t", "delivered", 9.001, 10.0, 10.002, 10.008, ops)
     rec.consumer = ConsumerResult(
         "t", True, "", 0, 9.0, 10.0095, 10.0097, notice_seen=10.009, delivered=10.0101
@@ -170,7 +172,10 @@ def test_the_phases_of_one_request_follow_each_other() -> None:
 INSTANCE = re.compile(r"(?P<name>[\w-]+) leader pid (?P<leader>\d+) \(ranks (?P<ranks>[\d,]+)\)")
 
 
-@pytest.mark.parametrize(("transport", "mode"), [("nixl", "push"), ("memory", "pull")])
+@pytest.mark.parametrize(
+    ("transport", "mode"),
+    [pytest.param("nixl", "push", marks=pytest.mark.nixl), ("memory", "pull")],
+)
 def test_the_xpyd_preset_spreads_requests_over_every_pair(transport: str, mode: str) -> None:
     n = 16
     out, stderr = _demo(
@@ -245,6 +250,7 @@ class _Background:
 LONG_RUN = ("--requests", "100000", "--qps", "40", "--max-memory-mib", "32")
 
 
+@pytest.mark.nixl
 def test_killing_the_prefill_leader_ends_the_demo_cleanly(tmp_path: Path) -> None:
     demo = _Background(tmp_path, *LONG_RUN)
     prefix, pids = demo.wait_for_run_line()
@@ -262,6 +268,7 @@ def test_killing_the_prefill_leader_ends_the_demo_cleanly(tmp_path: Path) -> Non
     _assert_clean(prefix, pids)
 
 
+@pytest.mark.nixl
 def test_ctrl_c_ends_the_demo_cleanly(tmp_path: Path) -> None:
     demo = _Background(tmp_path, *LONG_RUN)
     prefix, pids = demo.wait_for_run_line()
@@ -324,28 +331,13 @@ def test_a_missing_nixl_is_refused_with_the_fix(
     assert "pip install --no-deps nixl nixl-cu12" in err
 
 
+@pytest.mark.nixl
 def test_a_pool_over_the_cap_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["demo", "--json", "--model", "qwen3-32b", "--prompt-tokens", "8192"]
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert "raise --max-memory-mib" in captured.err
     assert "error" in json.loads(captured.out)
-
-
-def test_the_balancer_uses_every_pair_in_a_burst_and_respects_capacity() -> None:
-    b = Balancer(2, 2, capacity=2)
-    picks = [b.pick() for _ in range(5)]
-    assert picks == [(0, 0), (1, 1), (0, 1), (1, 0), None]  # every pair, then full
-    b.settled(1, 1)
-    assert b.pick() == (1, 1)
-    # Idle: the least-used pair among the ties, so an idle fleet cycles every pair.
-    b, seen = Balancer(2, 2, capacity=1), []
-    for _ in range(4):
-        pick = b.pick()
-        assert pick is not None
-        seen.append(pick)
-        b.settled(*pick)
-    assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_the_xpyd_preset_and_explicit_options_override_it() -> None:

@@ -35,9 +35,9 @@ from kvpush.runtime import (
     DataPlane,
     ProducerRuntime,
     Rank,
-    ShmTransport,
     encode_rank,
 )
+from kvpush.shm import ShmTransport
 
 pytestmark = pytest.mark.anyio
 
@@ -48,11 +48,6 @@ CODEC = Codec(secret=b"handshake-live-test-secret-012345")
 #: A loaded test machine misses a second now and then; a stall limit of
 #: max_transit / 2 = 5 s keeps the pumps' stall rule out of these tests.
 TIMING = Timing(max_transit=10.0)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @dataclass

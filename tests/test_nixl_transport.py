@@ -40,13 +40,13 @@ from kvpush.protocol import (
     Role,
     Route,
     Source,
-    TransferPlanner,
     layer_regions,
 )
 from kvpush.runtime import (
     Completed,
     Notice,
     PreppedTransport,
+    TransferPlanner,
     Transport,
     TransportError,
 )

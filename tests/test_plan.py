@@ -18,11 +18,20 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvpush.protocol._errors import IncompatiblePeerError, LocalProtocolError
-from kvpush.protocol._layout import HeadOrder, KVLayout, Region, layer_regions
-from kvpush.protocol._plan import TransferPlan, TransferPlanner, plan_transfer
-from kvpush.protocol._topology import HeadSlice, Route, compute_topology
-from kvpush.protocol._types import Role, Source
+from kvpush.protocol import (
+    HeadOrder,
+    HeadSlice,
+    IncompatiblePeerError,
+    KVLayout,
+    LocalProtocolError,
+    Region,
+    Role,
+    Route,
+    Source,
+    compute_topology,
+    layer_regions,
+)
+from kvpush.runtime import TransferPlan, TransferPlanner, plan_transfer
 
 SRC_BASE = 1 << 36
 DST_BASE = 1 << 40

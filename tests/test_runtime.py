@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import anyio
@@ -33,6 +33,7 @@ from kvpush.protocol import (
     Source,
     SourceReleased,
     Timeline,
+    Timing,
     layer_regions,
 )
 from kvpush.runtime import (
@@ -46,19 +47,15 @@ from kvpush.runtime import (
     PeerRanks,
     ProducerRuntime,
     Rank,
-    ShmTransport,
     encode_rank,
 )
+from kvpush.shm import ShmTransport
+from kvpush.testing import LoopbackConfig, loopback_pair
 
 pytestmark = pytest.mark.anyio
 
 HEADS, HEAD_BYTES, LAYERS, BLOCKS = 4, 16, 2, 32
 SECRET = b"runtime-test-shared-secret-0123456"
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def rank_layout(tp: int, rank: int, tokens: int) -> KVLayout:
@@ -128,18 +125,6 @@ class Side:
     port: int
 
 
-@asynccontextmanager
-async def side(
-    stack: AsyncExitStack, role: Role, name: str, tp: int, tokens: int, prepped: bool = False
-) -> AsyncIterator[Side]:
-    """One side, pumping: its transports, channel and runtime."""
-    runtime, s = await build(stack, role, name, tp, tokens, verify=True, prepped=prepped)
-    tg = await stack.enter_async_context(anyio.create_task_group())
-    await tg.start(runtime.run)  # type: ignore[attr-defined]
-    stack.callback(tg.cancel_scope.cancel)
-    yield s
-
-
 def fill(s: Side, blocks: list[int]) -> None:
     """Producer KV: every block of ``blocks`` holds tokens from 0 upwards."""
     for t, layout in zip(s.transports, s.layouts, strict=True):
@@ -162,13 +147,6 @@ def check(s: Side, blocks: list[int], skip_tokens: int = 0) -> None:
                 first = skip_tokens + i * r.tokens_per_block
                 want = value(r.layer, r.kind, (first + tok)[None, :], heads[:, None])
                 assert np.array_equal(view[b], np.broadcast_to(want[:, :, None], view[b].shape))
-
-
-async def wait_for(s: Side, kinds: tuple[type, ...], n: int, seen: list[Event]) -> list[Event]:
-    with anyio.fail_after(10):
-        while sum(isinstance(e, kinds) for e in seen) < n:
-            seen += await s.runtime.next_events(1.0)
-    return seen
 
 
 def check_stamps(mode: Mode, p: Timeline, c: Timeline) -> None:
@@ -208,31 +186,40 @@ def check_stamps(mode: Mode, p: Timeline, c: Timeline) -> None:
 async def test_transfers_over_tcp_and_shared_memory(
     p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: Mode, prepped: bool
 ) -> None:
-    async with AsyncExitStack() as stack:
-        prod = await stack.enter_async_context(
-            side(stack, Role.PRODUCER, "prefill", p_tp, p_tokens, prepped)
-        )
-        cons = await stack.enter_async_context(
-            side(stack, Role.CONSUMER, "decode", d_tp, d_tokens, prepped)
-        )
-        assert isinstance(cons.runtime, ConsumerRuntime)
-        assert isinstance(prod.runtime, ProducerRuntime)
-        cons.runtime.channel.add_route("prefill", "127.0.0.1", prod.port)  # type: ignore[attr-defined]
+    """The kit's loopback pair (kvpush.testing.loopback_pair, what its
+    pytest-asyncio fixtures serve), without the handshake up front: the
+    first reservation shakes hands."""
+    config = LoopbackConfig(
+        producer_tp=p_tp,
+        consumer_tp=d_tp,
+        producer_block_tokens=p_tokens,
+        consumer_block_tokens=d_tokens,
+        num_blocks=BLOCKS,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_bytes=HEAD_BYTES,
+        secret=SECRET,
+        timing=Timing(),
+        transport=PreppedShm if prepped else ShmTransport,
+        handshake=False,
+    )
+    async with loopback_pair(config) as pair:
+        prod, cons = pair.producer, pair.consumer
         tokens = 64
         src_blocks = [5, 9, 10, 11, 0, 1, 2, 30][: tokens // p_tokens]  # fragmented
         dst_blocks = [20, 3, 4, 17, 30, 31, 1, 2][: tokens // d_tokens]
-        fill(prod, src_blocks)
+        prod.fill(src_blocks)
         # Reserve first (decode registers while prefill still computes) ...
-        cons.runtime.reserve("req-1", "prefill", [dst_blocks], mode=mode)
+        cons.runtime.reserve("req-1", prod.name, [dst_blocks], mode=mode)
         await anyio.sleep(0.05)
         # ... then the KV becomes ready.
         prod.runtime.kv_ready("req-1", [src_blocks])
-        seen = await wait_for(cons, (Ready,), 1, [])
-        check(cons, dst_blocks)
-        pseen = await wait_for(prod, (SourceReleased,), 1, [])
-        (released,) = [e for e in pseen if isinstance(e, SourceReleased)]
+        (ready,) = await cons.wait_for(Ready)
+        cons.check(dst_blocks)
+        (released,) = await prod.wait_for(SourceReleased)
+        seen, pseen = cons.events, prod.events
+        assert isinstance(released, SourceReleased) and isinstance(ready, Ready)
         assert released.outcome.value == "delivered"
-        (ready,) = [e for e in seen if isinstance(e, Ready)]
         assert ready.timeline.ready is not None and ready.timeline.registration_sent is not None
         check_stamps(mode, released.timeline, ready.timeline)
         assert cons.runtime.endpoint.reserved_blocks == 0
@@ -240,7 +227,7 @@ async def test_transfers_over_tcp_and_shared_memory(
         assert not [e for e in seen if isinstance(e, Released)]
         # The same events feed Prometheus metrics named like vLLM's.
         registry = CollectorRegistry()
-        metrics = EndpointMetrics(prod.runtime.endpoint, prod.runtime.dataplane, registry=registry)
+        metrics = EndpointMetrics(prod.runtime.endpoint, prod.dataplane, registry=registry)
         for e in pseen:
             metrics.observe(e)
         text = generate_latest(registry).decode()
@@ -257,8 +244,7 @@ async def test_transfers_over_tcp_and_shared_memory(
         # Prepped: every transfer went by index, each route's lists prepared once.
         mover = prod if mode is Mode.PUSH else cons
         posts = [t.prepped_posts for t in mover.transports if isinstance(t, PreppedShm)]
-        dp = mover.runtime.dataplane
-        assert dp is not None
+        dp = mover.dataplane
         assert dp.posted_prepped == (dp.posted if prepped else 0)
         assert sum(posts) == (dp.posted if prepped else 0)
         assert dp.posted > 0

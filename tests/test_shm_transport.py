@@ -23,13 +23,18 @@ from kvpush.protocol import (
     MemoryType,
     Route,
     Source,
-    TransferPlanner,
     layer_regions,
+)
+from kvpush.runtime import (
+    Completed,
+    Notice,
+    TransferPlanner,
+    Transport,
+    TransportError,
     plan_transfer,
 )
-from kvpush.runtime import _shm
-from kvpush.runtime._shm import ShmTransport
-from kvpush.runtime._transport import Completed, Notice, Transport, TransportError
+from kvpush.shm import ShmTransport
+from kvpush.shm import _transport as shm_module
 
 SIZE = 1 << 20
 DEADLINE_S = 15.0
@@ -337,7 +342,7 @@ def test_verification_detects_a_skipped_copy(make: Make, monkeypatch: pytest.Mon
     a, b = make("a"), make("b")
     connect(a, b)
     a.memory[:64] = 5
-    monkeypatch.setattr(_shm, "copy_rows", lambda *args: None)
+    monkeypatch.setattr(shm_module, "copy_rows", lambda *args: None)
     a.write("b", rows((0, 64, 0)), rows((0, 64, 0)), b"n")
     with pytest.raises(TransportError, match="before its data"):
         b.poll()

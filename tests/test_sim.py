@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from kvpush.protocol import Consumer
+from kvpush.routing import InstanceLoad
 from kvpush.sim import Result, Scenario, load_scenario, simulate
 
 MODES = ("pull", "push", "bg-pull")
@@ -38,6 +39,8 @@ def assert_conserved(result: Result) -> None:
             assert len(p.pool.free) == p.pool.size, f"{p.name} leaked blocks"
     assert result.row.stale_pairings == 0
     assert result.row.corrupt_writes == 0
+    # the router gave back every charge: its loads are the idle fleet's
+    assert {*fleet.ledger.prefills, *fleet.ledger.decodes} == {InstanceLoad()}
 
 
 def test_kv_bytes_per_token_from_model_shape(seed: Scenario) -> None:

@@ -9,15 +9,15 @@ What runs, and where:
   every prefill leader, assigns transfer ids and sends both legs of each
   request at once: to a decode leader (reserve blocks, register them with the
   chosen prefill) and to that prefill leader ("compute", then publish the
-  KV). It picks the least-outstanding instance of each side, the least-used
-  pair among ties (:mod:`._balance`), paces arrivals (``--qps``), keeps at
-  most as many requests on an instance as its block pool holds, and reports,
-  per instance and per pair too.
+  KV). It picks the pair with :mod:`kvpush.routing` (the policy of
+  ``kvpush router``: least-loaded on each side, least-used pair among ties),
+  paces arrivals (``--qps``), keeps at most as many requests on an instance as
+  its block pool holds, and reports, per instance and per pair too.
 * Each *instance* is one leader process plus one rank process per TP rank,
   all started by the router with ``multiprocessing`` (spawn), so the router
   can stop and reap every one of them.
 * A *rank process* stands for a TP worker: it creates its shared-memory KV
-  segment (:class:`~kvpush.runtime.ShmTransport`), owns it, unlinks it at
+  segment (:class:`~kvpush.shm.ShmTransport`), owns it, unlinks it at
   exit, and does the work on its own KV when its leader asks: the prefill's
   ranks write the request's pattern into its blocks (the "forward pass"), the
   decode's ranks check the blocks that landed. It moves no bytes between the
@@ -53,6 +53,6 @@ from __future__ import annotations
 
 from ._cli import add_arguments, run
 from ._model import MODELS, DemoError, ModelShape
-from ._router import DemoConfig, Router
+from ._router import DemoConfig, DemoRouter
 
-__all__ = ("MODELS", "DemoConfig", "DemoError", "ModelShape", "Router", "add_arguments", "run")
+__all__ = ("MODELS", "DemoConfig", "DemoError", "DemoRouter", "ModelShape", "add_arguments", "run")

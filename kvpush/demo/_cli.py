@@ -1,4 +1,6 @@
-"""``kvpush demo``: the arguments, the progress bar and the exit status."""
+"""``kvpush demo``: the arguments, the progress bar and the exit status (the
+``demo`` entry of the ``kvpush.commands`` registry: :data:`HELP`,
+:data:`DESCRIPTION`, :func:`add_arguments`, :func:`run`)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,17 @@ from kvpush.protocol import Mode
 
 from ._model import DEFAULT_MAX_MEMORY_MIB, MODELS, DemoError
 from ._report import problems, render, summarize
-from ._router import MAX_INSTANCES, TRANSPORTS, DemoConfig, Router
+from ._router import MAX_INSTANCES, TRANSPORTS, DemoConfig, DemoRouter
 
-__all__ = ("PRESETS", "add_arguments", "run")
+__all__ = ("DESCRIPTION", "HELP", "PRESETS", "add_arguments", "run")
+
+HELP = "run prefill and decode instances on loopback and hand off KV between them"
+DESCRIPTION = (
+    "Start a router and prefill and decode instances (one of each unless "
+    "--prefills/--decodes/--preset say otherwise; a leader process plus one process per "
+    "TP rank each) on this machine, hand off the KV of --requests requests over NIXL or "
+    "shared memory, check every block, and report the phase timeline."
+)
 
 _DEFAULTS = DemoConfig()
 
@@ -268,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         return USAGE
     observer: _Quiet | _Bar = _Quiet() if args.json else _Bar(cfg.requests)
     try:
-        router = Router(cfg, observer)
+        router = DemoRouter(cfg, observer)
     except DemoError as exc:
         return _fail(cfg, args.json, str(exc), USAGE)
     main = threading.current_thread() is threading.main_thread()

@@ -4,7 +4,7 @@ Each runs its side's anyio runtime (see :mod:`._leader`) and plays the engine.
 The prefill "computes" (sleeps in proportion to the prompt), writes the
 pattern into its blocks, calls ``kv_ready`` and frees the blocks on
 ``SourceReleased``; it learns its decode instances from their handshakes. A
-decode dials every prefill the router names (:class:`Route`), reserves blocks
+decode dials every prefill the router names (:class:`Dial`), reserves blocks
 and registers them with the request's prefill (the runtime sends the
 registration once the handshake is up), checks
 every block when ``Ready`` arrives, then frees them; ``Failed`` is remembered
@@ -51,15 +51,15 @@ from kvpush.runtime import (
 
 from ._leader import Leader, LeaderSpec, last_write_done, ops_summary
 from ._wire import (
-    Abort,
     Check,
     ConsumerResult,
+    Dial,
     Dispatch,
+    Drop,
     Fill,
     LeaderError,
     PeerUp,
     ProducerResult,
-    Route,
 )
 
 __all__ = ("DecodeLeader", "PrefillLeader", "leader_main")
@@ -91,11 +91,11 @@ class PrefillLeader(Leader):
         if blocks is None:
             self.send(ProducerResult(tid, "no_blocks", None, None, None, None))
             return
-        self.computing.add(tid)  # now: an Abort may come before the task runs
+        self.computing.add(tid)  # now: a Drop may come before the task runs
         tg.start_soon(self._compute, tid, d.tokens, blocks)
 
     def on_other(self, msg: object) -> None:
-        if not isinstance(msg, Abort):
+        if not isinstance(msg, Drop):
             super().on_other(msg)
         elif msg.transfer_id in self.computing:
             self.aborted.add(msg.transfer_id)
@@ -158,7 +158,7 @@ class DecodeLeader(Leader):
         return self.runtime.endpoint.reserved_blocks if self.runtime else 0
 
     def on_other(self, msg: object) -> None:
-        if not isinstance(msg, Route):
+        if not isinstance(msg, Dial):
             super().on_other(msg)
         elif self.channel is not None and self.runtime is not None:
             self.channel.add_route(msg.peer, msg.host, msg.port)

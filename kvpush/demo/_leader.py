@@ -6,9 +6,11 @@ whose ranks are the instance's rank segments, attached here: the rank
 processes own the memory, the leader's data-plane thread moves the bytes.
 With ``--transport memory`` each rank is a ``ShmTransport(create=False,
 name=...)`` (addresses are offsets into the segment); with ``--transport
-nixl`` the leader maps the segment, registers it with one
-:class:`~kvpush_nixl.NixlTransport` (one NIXL agent) per rank, and the
-layouts it announces carry the mapping's real addresses. Router commands arrive over a
+nixl`` the leader maps the segment (:class:`~kvpush.shm.Segment`), registers
+it with one NIXL transport (one NIXL agent) per rank, found in the
+``kvpush.transports`` registry (:func:`~kvpush.runtime.transport_kind`: the
+demo never imports ``kvpush_nixl``), and the layouts it announces carry the
+mapping's real addresses. Router commands arrive over a
 pipe, read by a thread that hands them to the event loop; a closed pipe means
 the router died, and the leader exits. SIGTERM cancels everything cleanly.
 Work on the KV itself (fill, check) goes to the rank processes through a
@@ -43,11 +45,11 @@ from kvpush.runtime import (
     EndpointMetrics,
     EndpointRuntime,
     Rank,
-    ShmTransport,
     Transport,
     encode_rank,
+    transport_kind,
 )
-from kvpush.runtime._shm_ring import Segment
+from kvpush.shm import Segment, ShmTransport
 
 from ._model import DemoError, SideGeometry
 from ._pattern import request_seed
@@ -315,21 +317,19 @@ class Leader:
         """Rank ``r``'s transport over its segment (closed by ``stack``)."""
         geo, name = self.spec.geometry, f"{self.spec.name}-r{r}"
         t: Transport
-        if self.spec.transport == "nixl":
-            from kvpush_nixl import NixlTransport
-
-            seg = Segment.attach(segment, geo.segment_bytes)
-            stack.callback(seg.close)  # after the transport deregisters it
-            memory = seg.array
-            t = NixlTransport(name)
-            stack.callback(t.close)
-            self.layouts[r] = geo.layout(r, base=memory.ctypes.data)
-        else:
+        if self.spec.transport == "memory":
             shm = ShmTransport(
                 name, geo.segment_bytes, create=False, name=segment, mailbox_bytes=_MAILBOX_BYTES
             )
             stack.callback(shm.close)
             memory, t = shm.memory, shm
+        else:  # NIXL: registers memory we map, at its real addresses
+            seg = Segment.attach(segment, geo.segment_bytes)
+            stack.callback(seg.close)  # after the transport deregisters it
+            memory = seg.array
+            t = transport_kind(self.spec.transport).factory(name)
+            stack.callback(t.close)
+            self.layouts[r] = geo.layout(r, base=memory.ctypes.data)
         int(memory[::4096].sum())  # map every page now (the rank faulted them in)
         return t
 

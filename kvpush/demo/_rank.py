@@ -1,7 +1,7 @@
 """One rank process: owns its shared-memory KV segment and computes into it.
 
 It stands for a TP worker that owns device memory. It creates the segment
-(:class:`~kvpush.runtime.ShmTransport`, ``create=True``), touches every page
+(:class:`~kvpush.shm.ShmTransport`, ``create=True``), touches every page
 once (a real KV cache is allocated up front), reports to the router, then
 serves its leader: :class:`Fill` writes a request's pattern into blocks (the
 prefill's "forward pass"), :class:`Check` compares blocks with it (the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from types import FrameType
 
-from kvpush.runtime import ShmTransport
+from kvpush.shm import ShmTransport
 
 from ._model import SideGeometry
 from ._pattern import corrupt_blocks, fill

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from ._model import ModelShape
-from ._router import DemoConfig, Record, RunResult
+from ._router import DemoConfig, RequestRecord, RunResult
 
 __all__ = ("CHAIN", "PHASES", "percentiles", "problems", "render", "sum_error", "summarize")
 
@@ -106,7 +106,7 @@ def raw_copy_ms(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
-def _phases(rec: Record, raw_ms: float) -> dict[str, float | None]:
+def _phases(rec: RequestRecord, raw_ms: float) -> dict[str, float | None]:
     p, c = rec.producer, rec.consumer
     assert p is not None and c is not None
     ops = c.ops if c.ops is not None else p.ops  # pull: the decode reads
@@ -203,7 +203,7 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
 
 
 def _instances(
-    result: RunResult, ok: list[Record]
+    result: RunResult, ok: list[RequestRecord]
 ) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
     """Per instance: side, TP, requests served, blocks leaked; per pair: requests."""
     served = Counter(name for r in ok for name in (r.prefill, r.decode))

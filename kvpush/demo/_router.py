@@ -5,10 +5,10 @@ It runs in the demo's main process, synchronously, over its children's pipes
 starts ``--prefills`` prefill and ``--decodes`` decode instances (a leader
 process plus one process per TP rank each), has every decode dial every
 prefill, then sends both legs of each request at once to the pair that
-:class:`~._balance.Balancer` picks: least outstanding on each side, least
-used pair among ties. Whatever happens (success, an error, Ctrl-C),
-:meth:`Router.shutdown` stops and reaps every child and removes any shared
-memory of the run a killed child left.
+:mod:`kvpush.routing` picks (the policy ``kvpush router`` uses), with each
+instance's block pool as its capacity. Whatever happens (success, an error,
+Ctrl-C), :meth:`DemoRouter.shutdown` stops and reaps every child and removes
+any shared memory of the run a killed child left.
 """
 
 from __future__ import annotations
@@ -23,27 +23,35 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from kvpush.protocol import Mode, Role
+from kvpush.routing import Ledger
 
-from ._balance import Balancer
 from ._children import Child, Children
 from ._instance import leader_main
 from ._leader import LeaderSpec
 from ._model import MODELS, DemoError, PoolPlan, SideGeometry, plan_pool
 from ._rank import RankSpec, rank_main
 from ._wire import (
-    Abort,
     ConsumerResult,
+    Dial,
     Dispatch,
+    Drop,
     Finish,
     LeaderUp,
     PeerUp,
     ProducerResult,
     RankUp,
-    Route,
     Stats,
 )
 
-__all__ = ("MAX_INSTANCES", "DemoConfig", "Instance", "Observer", "Record", "Router", "RunResult")
+__all__ = (
+    "MAX_INSTANCES",
+    "DemoConfig",
+    "DemoRouter",
+    "Instance",
+    "Observer",
+    "RequestRecord",
+    "RunResult",
+)
 
 _STARTUP_TIMEOUT = 60.0
 _HANDSHAKE_TIMEOUT = 15.0
@@ -61,12 +69,12 @@ def check_nixl() -> None:
     loopback only (the demo never leaves the host), NIXL's INFO lines off."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError as exc:
-        from kvpush_nixl import INSTALL_HINT
+    from kvpush.runtime import TransportError, transport_kind
 
-        raise DemoError(f"--transport nixl needs NIXL ({exc}); {INSTALL_HINT}") from None
+    try:
+        transport_kind("nixl").probe()  # kvpush_nixl's, found through the registry
+    except TransportError as exc:
+        raise DemoError(f"--transport nixl needs NIXL: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +111,7 @@ class Observer(Protocol):
 
 
 @dataclass(slots=True)
-class Record:
+class RequestRecord:
     """One request as the router saw it."""
 
     transfer_id: str
@@ -120,7 +128,7 @@ class RunResult:
     """What the run produced, for the report."""
 
     plan: PoolPlan
-    records: list[Record]
+    records: list[RequestRecord]
     #: Each instance's closing stats, by name.
     stats: dict[str, Stats]
     wall: float
@@ -137,7 +145,7 @@ class Instance:
 
     name: str
     role: Role
-    #: Position among the instances of its side (the balancer's index).
+    #: Position among the instances of its side (its index for the routing policy).
     index: int
     geometry: SideGeometry
     segments: tuple[str, ...]
@@ -155,7 +163,7 @@ def instance_names(side: str, n: int) -> list[str]:
     return [side] if n == 1 else [f"{side}-{i}" for i in range(n)]
 
 
-class Router:
+class DemoRouter:
     """One run of the demo. :meth:`run` then, always, :meth:`shutdown`."""
 
     def __init__(self, cfg: DemoConfig, observer: Observer) -> None:
@@ -252,7 +260,7 @@ class Router:
         ups = children.gather(leaders, LeaderUp, "the leaders", _STARTUP_TIMEOUT)
         for d in self.decodes:
             for p in self.prefills:
-                children.send(d.lead(), Route(p.name, "127.0.0.1", ups[p.lead()].port))
+                children.send(d.lead(), Dial(p.name, "127.0.0.1", ups[p.lead()].port))
         self._handshakes()
         self.observer.started(self._describe())
         records, wall = self._dispatch_all()
@@ -292,24 +300,25 @@ class Router:
             parts.append(f"{inst.name} leader pid {inst.lead().process.pid} (ranks {ranks})")
         return ", ".join(parts)
 
-    def _dispatch_all(self) -> tuple[list[Record], float]:
+    def _dispatch_all(self) -> tuple[list[RequestRecord], float]:
         cfg, children = self.cfg, self.children
         rng = random.Random(cfg.seed)
-        balancer = Balancer(len(self.prefills), len(self.decodes), self.plan.instance_slots)
-        records: dict[str, Record] = {}
+        blocks = self.plan.blocks_per_request
+        ledger = Ledger(len(self.prefills), len(self.decodes), self.plan.num_blocks)
+        records: dict[str, RequestRecord] = {}
         pairs: dict[str, tuple[Instance, Instance]] = {}
         issued, settled, in_flight = 0, 0, 0
         start = next_at = last_progress = time.monotonic()
         while settled < cfg.requests:
             now, full = time.monotonic(), False
             while issued < cfg.requests and in_flight < self.plan.slots and now >= next_at:
-                pick = balancer.pick()
-                if pick is None:  # an instance's pool is full
+                pick = ledger.acquire(blocks)
+                if pick is None:  # every pool of a side is full
                     full = True
                     break
-                p, d = self.prefills[pick[0]], self.decodes[pick[1]]
+                p, d = self.prefills[pick.prefill], self.decodes[pick.decode]
                 tid = f"req-{issued:06d}"
-                records[tid] = Record(tid, time.monotonic(), p.name, d.name)
+                records[tid] = RequestRecord(tid, time.monotonic(), p.name, d.name)
                 pairs[tid] = (p, d)
                 children.send(d.lead(), Dispatch(tid, cfg.prompt_tokens, p.name))  # both legs
                 children.send(p.lead(), Dispatch(tid, cfg.prompt_tokens))  # at once
@@ -329,9 +338,10 @@ class Router:
                 else:
                     rec.consumer = m
                     if not m.ok and rec.producer is None:
-                        children.send(p.lead(), Abort(m.transfer_id))
+                        children.send(p.lead(), Drop(m.transfer_id))
                 if rec.producer is not None and rec.consumer is not None:
-                    balancer.settled(p.index, d.index)
+                    ledger.release_prefill(p.index, blocks)
+                    ledger.release_decode(d.index, blocks)
                     settled, in_flight = settled + 1, in_flight - 1
                     last_progress = time.monotonic()
                     self.observer.settled(rec.consumer.ok and not rec.consumer.corrupt_blocks)

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = (
-    "Abort",
     "Check",
     "ConsumerResult",
+    "Dial",
     "Dispatch",
+    "Drop",
     "Fill",
     "Finish",
     "LeaderError",
@@ -24,7 +25,6 @@ __all__ = (
     "ProducerResult",
     "RankReply",
     "RankUp",
-    "Route",
     "Stats",
     "Stop",
 )
@@ -43,14 +43,14 @@ class Dispatch:
 
 
 @dataclass(frozen=True, slots=True)
-class Abort:
+class Drop:
     """Prefill: the decode leg ended without the KV; drop the transfer."""
 
     transfer_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class Route:
+class Dial:
     """Decode: where prefill instance ``peer``'s control channel listens (dial it)."""
 
     peer: str

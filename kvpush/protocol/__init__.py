@@ -60,7 +60,6 @@ from ._outputs import (
     StartRead,
     StartWrite,
 )
-from ._plan import TransferPlan, TransferPlanner, plan_transfer
 from ._producer import Producer
 from ._tables import CState, PeerState, PState
 from ._timeline import OpStamps, Timeline
@@ -146,13 +145,10 @@ __all__ = (
     "Timing",
     "Topology",
     "TopologyError",
-    "TransferPlan",
-    "TransferPlanner",
     "UnsupportedVersionError",
     "Withdraw",
     "WriteFailed",
     "check_compatible",
     "compute_topology",
     "layer_regions",
-    "plan_transfer",
 )

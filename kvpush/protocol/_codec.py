@@ -72,7 +72,7 @@ from typing import Any
 
 import msgpack
 
-from ._codec_fields import TYPE_CODES, FieldError, Schema, schemas
+from ._codec_fields import TYPE_CODES, FieldError, Schema, capped, schemas
 from ._errors import (
     AuthenticationError,
     ConfigError,
@@ -286,15 +286,7 @@ class Codec:
         if entry is None:
             raise RemoteProtocolError(f"unknown message type {data[4]}")
         cls, schema = entry
-        lists = 0
-
-        def count_lists(v: list[Any]) -> list[Any]:
-            nonlocal lists
-            lists += 1
-            if lists > self._max_lists:
-                raise FieldError("too many arrays")
-            return v
-
+        count_lists = capped(self._max_lists, "too many arrays")
         try:
             wire = msgpack.unpackb(body, list_hook=count_lists, **self._unpack_limits)
         except Exception as exc:  # msgpack documents "other exceptions can be raised"

@@ -15,7 +15,7 @@ import math
 import reprlib
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
@@ -39,11 +39,14 @@ from ._types import Mode, RejectReason, Role, Source
 if TYPE_CHECKING:
     from ._codec import CodecLimits
 
-__all__ = ("TYPE_CODES", "FieldError", "Kind", "Schema", "schemas")
+__all__ = ("TYPE_CODES", "FieldError", "Kind", "Schema", "capped", "schemas")
 
 EPOCH_MAX = (1 << 63) - 1
 U64_MAX = (1 << 64) - 1
 MAX_HEADS = 1 << 16  # the bound compute_topology applies
+
+
+_T = TypeVar("_T")
 
 
 class FieldError(Exception):
@@ -159,6 +162,17 @@ def _source_kind(max_ranks: int) -> Kind:
     return enc, dec
 
 
+def _pack_ids(group: Any) -> bytes:
+    if set(map(type, group)) - {int}:
+        raise FieldError("block ids must be ints")
+    if len(set(group)) != len(group):
+        raise FieldError("duplicate block id within a KV group")
+    try:
+        return struct.pack(f"<{len(group)}I", *group)
+    except struct.error:
+        raise FieldError("block id outside [0, 2**32)") from None
+
+
 def _blocks_kind(max_groups: int, max_ids: int) -> Kind:
     def enc(v: Any) -> list[bytes]:
         out: list[bytes] = []
@@ -166,14 +180,7 @@ def _blocks_kind(max_groups: int, max_ids: int) -> Kind:
         for group in _seq(v, 1, max_groups, "KV groups"):
             _seq(group, 0, max_ids - total, "block ids")
             total += len(group)
-            if set(map(type, group)) - {int}:
-                raise FieldError("block ids must be ints")
-            if len(set(group)) != len(group):
-                raise FieldError("duplicate block id within a KV group")
-            try:
-                out.append(struct.pack(f"<{len(group)}I", *group))
-            except struct.error:
-                raise FieldError("block id outside [0, 2**32)") from None
+            out.append(_pack_ids(group))
         return out
 
     def dec(v: Any) -> tuple[tuple[int, ...], ...]:
@@ -223,6 +230,31 @@ def _fingerprint_kind(max_entries: int, max_len: int) -> Kind:
     return enc, dec
 
 
+#: Unpacker limits of the document inside a layout field.
+_LAYOUT_LIMITS = {
+    "max_str_len": 64,
+    "max_bin_len": 0,
+    "max_ext_len": 0,
+    "max_array_len": MAX_REGIONS,
+    "max_map_len": 32,
+}
+
+
+def capped(limit: int, error: str) -> Callable[[_T], _T]:
+    """A msgpack hook that passes values through and raises :class:`FieldError`
+    (``error``) once it has seen more than ``limit`` of them."""
+    seen = 0
+
+    def hook(v: _T) -> _T:
+        nonlocal seen
+        seen += 1
+        if seen > limit:
+            raise FieldError(error)
+        return v
+
+    return hook
+
+
 def _layout_kind(max_bytes: int) -> Kind:
     """A KV layout as a nested msgpack document in a bin (empty = none).
 
@@ -230,13 +262,6 @@ def _layout_kind(max_bytes: int) -> Kind:
     inner document gets its own bounded unpacker and the layout's own strict
     validation (:meth:`KVLayout.from_wire`).
     """
-    inner_limits = {
-        "max_str_len": 64,
-        "max_bin_len": 0,
-        "max_ext_len": 0,
-        "max_array_len": MAX_REGIONS,
-        "max_map_len": 32,
-    }
 
     def enc(v: Any) -> bytes:
         if v is None:
@@ -251,38 +276,26 @@ def _layout_kind(max_bytes: int) -> Kind:
     def dec(v: Any) -> KVLayout | None:
         if type(v) is not bytes or len(v) > max_bytes:
             raise FieldError(f"expected a KV layout of at most {max_bytes} bytes")
-        if not v:
-            return None
-        maps = lists = 0
-
-        def count_maps(m: dict[Any, Any]) -> dict[Any, Any]:
-            nonlocal maps
-            maps += 1
-            if maps > MAX_REGIONS + 1:
-                raise FieldError("too many maps in the KV layout")
-            return m
-
-        def count_lists(a: list[Any]) -> list[Any]:
-            # A valid layout holds one array (its regions); without this cap a
-            # 1 MiB bin of nested empty arrays builds ~1M lists (~64 MiB).
-            nonlocal lists
-            lists += 1
-            if lists > 1:
-                raise FieldError("too many arrays in the KV layout")
-            return a
-
-        try:
-            obj = msgpack.unpackb(v, object_hook=count_maps, list_hook=count_lists, **inner_limits)
-        except FieldError:
-            raise
-        except Exception as exc:  # msgpack documents "other exceptions can be raised"
-            raise FieldError(f"malformed KV layout: {exc}") from None
-        try:
-            return KVLayout.from_wire(obj)
-        except RemoteProtocolError as exc:
-            raise FieldError(str(exc)) from None
+        return _unpack_layout(v) if v else None
 
     return enc, dec
+
+
+def _unpack_layout(data: bytes) -> KVLayout:
+    maps = capped(MAX_REGIONS + 1, "too many maps in the KV layout")
+    # A valid layout holds one array (its regions); without this cap a 1 MiB
+    # bin of nested empty arrays builds ~1M lists (~64 MiB).
+    lists = capped(1, "too many arrays in the KV layout")
+    try:
+        obj = msgpack.unpackb(data, object_hook=maps, list_hook=lists, **_LAYOUT_LIMITS)
+    except FieldError:
+        raise
+    except Exception as exc:  # msgpack documents "other exceptions can be raised"
+        raise FieldError(f"malformed KV layout: {exc}") from None
+    try:
+        return KVLayout.from_wire(obj)
+    except RemoteProtocolError as exc:
+        raise FieldError(str(exc)) from None
 
 
 def _ranks_kind(max_ranks: int, max_bytes: int) -> Kind:

@@ -67,6 +67,15 @@ class Timing:
         return self.max_transit / 2 if self.stall_window is None else self.stall_window
 
 
+def _check_fingerprint(fingerprint: tuple[tuple[str, str], ...]) -> None:
+    keys = [k for k, _ in fingerprint]
+    if len(keys) != len(set(keys)) or len(keys) > 32:
+        raise ConfigError("fingerprint keys must be unique (at most 32 entries)")
+    for k, v in fingerprint:
+        if not k or len(k.encode()) > MAX_ID_LEN or len(v.encode()) > MAX_ID_LEN:
+            raise ConfigError(f"fingerprint entry {k!r} is empty or too long")
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     """What a peer learns about this endpoint at handshake."""
@@ -88,12 +97,7 @@ class Identity:
     def __post_init__(self) -> None:
         if type(self.instance) is not int or not 0 <= self.instance < 1 << 64:
             raise ConfigError(f"instance must be an int in [0, 2**64), got {self.instance!r}")
-        keys = [k for k, _ in self.fingerprint]
-        if len(keys) != len(set(keys)) or len(keys) > 32:
-            raise ConfigError("fingerprint keys must be unique (at most 32 entries)")
-        for k, v in self.fingerprint:
-            if not k or len(k.encode()) > MAX_ID_LEN or len(v.encode()) > MAX_ID_LEN:
-                raise ConfigError(f"fingerprint entry {k!r} is empty or too long")
+        _check_fingerprint(self.fingerprint)
         if self.layout is not None and self.layout.num_groups != self.kv_groups:
             raise ConfigError(
                 f"layout has {self.layout.num_groups} KV groups, kv_groups is {self.kv_groups}"

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ._config import ConsumerConfig
-from ._endpoint import Endpoint, Timer
+from ._endpoint import Endpoint, PeerView, Timer
 from ._errors import LocalProtocolError
 from ._messages import (
     Abort,
@@ -187,17 +187,10 @@ class Consumer(Endpoint):
                 f"transfer {transfer_id!r} already has a live reservation; preempt or abort it"
             )
         view = self._peers.get(peer)
-        if view is not None and view.state is PeerState.FAILED:
-            return Refused(transfer_id, RefuseReason.PEER_FAILED)
-        if mode not in self.identity.modes or (
-            view is not None and view.hello is not None and mode not in view.hello.modes
-        ):
-            return Refused(transfer_id, RefuseReason.MODE_UNSUPPORTED)
         nblocks = sum(map(len, ids))
-        budget = self.config.max_reserved_blocks
-        if budget is not None and self._reserved_blocks + nblocks > budget:
-            self._counters["refused_budget"] += 1
-            return Refused(transfer_id, RefuseReason.BUDGET)
+        reason = self._refusal(view, mode, nblocks)
+        if reason is not None:
+            return Refused(transfer_id, reason)
         self._epoch += 1
         if deadline is None:
             deadline = now + self.config.ready_timeout
@@ -227,6 +220,19 @@ class Consumer(Endpoint):
             self._counters["hello_restarted_by_reserve"] += 1
             self.connect(now, peer)
         return Reserved(transfer_id, rec.epoch)
+
+    def _refusal(self, view: PeerView | None, mode: Mode, nblocks: int) -> RefuseReason | None:
+        if view is not None and view.state is PeerState.FAILED:
+            return RefuseReason.PEER_FAILED
+        if mode not in self.identity.modes or (
+            view is not None and view.hello is not None and mode not in view.hello.modes
+        ):
+            return RefuseReason.MODE_UNSUPPORTED
+        budget = self.config.max_reserved_blocks
+        if budget is not None and self._reserved_blocks + nblocks > budget:
+            self._counters["refused_budget"] += 1
+            return RefuseReason.BUDGET
+        return None
 
     def preempt(self, now: float, transfer_id: str) -> bool:
         """Withdraw the live reservation of ``transfer_id`` (the request was
@@ -354,24 +360,26 @@ class Consumer(Endpoint):
         elif isinstance(message, Rejected):
             self._step(now, rec, CInput.REJECTED, remote=True, detail=message.reason.value)
         elif isinstance(message, WriteFailed):
-            pair = self._valid_pair(rec, message.source, message.consumer_rank, "write_failed")
-            if pair is None:
-                return
-            if rec.mode is not Mode.PUSH:
-                self._counters["write_failed_in_pull"] += 1
-                return
-            if pair in rec.settled:
-                self._counters["write_failed_duplicate"] += 1
-                return
-            rec.settled.add(pair)
-            last = len(rec.settled) == rec.total
-            inp = CInput.PAIRS_SETTLED if last else CInput.WRITE_FAILED
-            self._step(now, rec, inp, remote=True, detail=message.detail)
+            self._write_failed(now, rec, message)
+        elif len(message.blocks) != self.identity.kv_groups or message.lease <= 0:
+            self._counters["announce_invalid"] += 1
         else:
-            if len(message.blocks) != self.identity.kv_groups or message.lease <= 0:
-                self._counters["announce_invalid"] += 1
-                return
             self._announce(now, rec, message)
+
+    def _write_failed(self, now: float, rec: _Reservation, message: WriteFailed) -> None:
+        pair = self._valid_pair(rec, message.source, message.consumer_rank, "write_failed")
+        if pair is None:
+            return
+        if rec.mode is not Mode.PUSH:
+            self._counters["write_failed_in_pull"] += 1
+            return
+        if pair in rec.settled:
+            self._counters["write_failed_duplicate"] += 1
+            return
+        rec.settled.add(pair)
+        last = len(rec.settled) == rec.total
+        inp = CInput.PAIRS_SETTLED if last else CInput.WRITE_FAILED
+        self._step(now, rec, inp, remote=True, detail=message.detail)
 
     def _announce(self, now: float, rec: _Reservation, message: Announce) -> None:
         not_after = now + message.lease

@@ -7,7 +7,7 @@ a tuple of :class:`Region` values, one per registered KV tensor (vLLM keeps
 one per layer, or one per layer *and* per K/V when the attention backend splits
 them). It is built locally from the engine's tensors, carried to the peer in
 the handshake (:meth:`KVLayout.to_wire` / :meth:`KVLayout.from_wire`), and fed
-to the planner (``_plan.py``) together with the peer's layout.
+to the planner (``kvpush/runtime/_plan.py``) together with the peer's layout.
 
 Two things make the description small but sufficient:
 

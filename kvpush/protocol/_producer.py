@@ -2,13 +2,16 @@
 
 One :class:`Producer` serves one prefill instance (all its TP x PP ranks). Each
 transfer is one record moving through ``PRODUCER`` in ``_tables.py``; this module
-performs the side effects of those transitions.
+performs the side effects of those transitions: those of the state entered
+(``_ENTER``, as the consumer's ``_enter``), and those of an abort in any state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import enum
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from ._config import ProducerConfig
 from ._endpoint import Endpoint, Timer
@@ -44,16 +47,17 @@ __all__ = ("Producer",)
 
 Pair = tuple[Source, int]
 
-#: Timers each state keeps armed (everything else is cancelled on entry).
-_TIMERS: dict[PState, Timer] = {
-    PState.IDLE: Timer.EXPIRE,
-    PState.WAIT_KV: Timer.LEASE,
-    PState.HOLDING: Timer.HOLD,
-    PState.WRITING: Timer.OP,
-    PState.DRAINING: Timer.OP,
-    PState.LENT: Timer.QUARANTINE,
-    PState.RELEASED: Timer.EXPIRE,
-}
+
+class _Writes(enum.Enum):
+    """How the live epoch's writes go while any is in flight (push)."""
+
+    #: Every write that settled so far succeeded.
+    DELIVERING = "delivering"
+    #: A write failed: the epoch fails once the others settle.
+    FAILING = "failing"
+    #: The consumer moved on (withdrew the epoch, or registered a newer one):
+    #: once the writes settle the KV is held again, or the newer epoch written.
+    WITHDRAWN = "withdrawn"
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,16 +79,14 @@ class _Transfer:
     peer: str | None = None
     max_epoch: int = 0
     src: BlockIds | None = None
-    released: bool = False
     reg: _Reg | None = None
     pending: _Reg | None = None
-    #: The live epoch was withdrawn or superseded while its writes run.
-    withdrawn: bool = False
     inflight: set[Pair] = field(default_factory=set)
-    write_failed: bool = False
+    #: How the in-flight writes go (``DELIVERING`` when none is in flight).
+    writes: _Writes = _Writes.DELIVERING
     #: Epochs owed a Settled once the in-flight writes settle.
     owe: set[int] = field(default_factory=set)
-    #: Why we are draining (or lending after a local abort).
+    #: Why we are draining (or lending after the transfer ended).
     ending: ReleaseOutcome | None = None
     #: The epoch whose writes were all delivered (kept by the tombstone).
     delivered_epoch: int = -1
@@ -93,6 +95,47 @@ class _Transfer:
     quarantine_at: float = 0.0
     expires_at: float = 0.0
     timers: dict[Timer, float] = field(default_factory=dict)
+
+
+#: The timer each state keeps armed, and the time it fires at (everything else
+#: is cancelled on entry).
+_TIMERS: dict[PState, tuple[Timer, Callable[[_Transfer], float]]] = {
+    PState.IDLE: (Timer.EXPIRE, attrgetter("expires_at")),
+    PState.WAIT_KV: (Timer.LEASE, attrgetter("reg.lease_until")),
+    PState.HOLDING: (Timer.HOLD, attrgetter("hold_until")),
+    PState.WRITING: (Timer.OP, attrgetter("op_deadline")),
+    PState.DRAINING: (Timer.OP, attrgetter("op_deadline")),
+    PState.LENT: (Timer.QUARANTINE, attrgetter("quarantine_at")),
+    PState.RELEASED: (Timer.EXPIRE, attrgetter("expires_at")),
+}
+
+#: The input each timer feeds (the op timer fails the writes still in flight).
+_FIRES: dict[Timer, PInput] = {
+    Timer.EXPIRE: PInput.EXPIRED,
+    Timer.LEASE: PInput.LEASE_EXPIRED,
+    Timer.HOLD: PInput.HOLD_EXPIRED,
+    Timer.QUARANTINE: PInput.QUARANTINE,
+}
+
+#: Self-loops that run their state's entry effects again: the next epoch's
+#: writes start; KV that is ready after the release is released at once.
+_REENTER = frozenset((PInput.SETTLED_NEXT, PInput.KV_READY))
+
+#: Self-loops that move their state's deadline (a newer epoch's lease or writes).
+_REARM = frozenset((PInput.SETTLED_NEXT, PInput.REGISTER))
+
+#: Inputs that end the transfer, whatever its state.
+_ABORTS = frozenset((PInput.ABORT, PInput.PEER_ABORT, PInput.PEER_ABORT_NEWER))
+
+#: Why the KV is released, by the input that releases it (other inputs are
+#: aborts), unless the transfer ended for a reason of its own (``ending``).
+_OUTCOMES: dict[PInput, ReleaseOutcome] = {
+    PInput.SETTLED_DELIVERED: ReleaseOutcome.DELIVERED,
+    PInput.READ_DONE: ReleaseOutcome.DELIVERED,
+    PInput.SETTLED_FAILED: ReleaseOutcome.FAILED,
+    PInput.QUARANTINE: ReleaseOutcome.EXPIRED,
+    PInput.HOLD_EXPIRED: ReleaseOutcome.EXPIRED,
+}
 
 
 def _inside(blocks: BlockIds, layout: KVLayout | None) -> bool:
@@ -229,20 +272,21 @@ class Producer(Endpoint):
         rec = self._tx.get(message.transfer_id)
         if rec is not None and rec.peer is not None and rec.peer != peer:
             self._counters["message_from_wrong_peer"] += 1
+        elif isinstance(message, ReadDone):
+            self._on_read_done(now, rec, message)
+        else:
+            self._on_end_of_epoch(now, peer, message)
+
+    def _on_read_done(self, now: float, rec: _Transfer | None, message: ReadDone) -> None:
+        lent = rec.reg if rec is not None and rec.state is PState.LENT else None
+        if rec is None or lent is None or lent.epoch != message.epoch:
+            self._counters["read_done_stale"] += 1
             return
-        if isinstance(message, ReadDone):
-            if (
-                rec is None
-                or rec.state is not PState.LENT
-                or rec.reg is None
-                or rec.reg.epoch != message.epoch
-            ):
-                self._counters["read_done_stale"] += 1
-                return
-            if not message.ok and rec.ending is None:
-                rec.ending = ReleaseOutcome.FAILED
-            self._step(now, rec, PInput.READ_DONE, remote=True)
-            return
+        if not message.ok and rec.ending is None:
+            rec.ending = ReleaseOutcome.FAILED
+        self._step(now, rec, PInput.READ_DONE, remote=True)
+
+    def _on_end_of_epoch(self, now: float, peer: str, message: Withdraw | Abort) -> None:
         rec = self._get(now, message.transfer_id)
         rec.peer = rec.peer or peer
         epoch = message.epoch
@@ -254,29 +298,39 @@ class Producer(Endpoint):
             self._counters["abort_of_older_epoch"] += 1
         rec.max_epoch = max(rec.max_epoch, epoch)
         if whole:
-            if rec.state is not PState.DRAINING or rec.ending is None:
-                rec.ending = ReleaseOutcome.ABORTED
-            rec.owe.add(epoch)
-            released = rec.state is PState.RELEASED
-            # Pull: an Abort of a newer epoch than the lent one (the consumer
-            # preempted while reading, reserved again, then gave up) ends the
-            # transfer, but the lent epoch's reads may still run: the KV stays
-            # lent until they settle (its ReadDone, Withdraw or Abort) or its
-            # quarantine passes.
-            newer = rec.state is PState.LENT and rec.reg is not None and rec.reg.epoch != epoch
-            if newer and rec.pending is not None and rec.pending.epoch == epoch:
-                rec.pending = None  # the consumer ended it: no Rejected owed
-            inp = PInput.PEER_ABORT_NEWER if newer else PInput.PEER_ABORT
-            self._step(now, rec, inp, remote=True)
-            if released:  # a tombstone has nothing in flight: acknowledge at once
-                self._send_owed(rec)
-        elif rec.pending is not None and rec.pending.epoch == epoch:
+            self._on_peer_abort(now, rec, epoch)
+        else:
+            self._on_withdraw(now, peer, rec, epoch)
+
+    def _on_peer_abort(self, now: float, rec: _Transfer, epoch: int) -> None:
+        if rec.state is not PState.DRAINING or rec.ending is None:
+            rec.ending = ReleaseOutcome.ABORTED
+        rec.owe.add(epoch)
+        released = rec.state is PState.RELEASED
+        # Pull: an Abort of a newer epoch than the lent one (the consumer
+        # preempted while reading, reserved again, then gave up) ends the
+        # transfer, but the lent epoch's reads may still run: the KV stays
+        # lent until they settle (its ReadDone, Withdraw or Abort) or its
+        # quarantine passes.
+        lent = rec.reg if rec.state is PState.LENT else None
+        newer = lent is not None and lent.epoch != epoch
+        if newer and rec.pending is not None and rec.pending.epoch == epoch:
+            rec.pending = None  # the consumer ended it: no Rejected owed
+        self._step(now, rec, PInput.PEER_ABORT_NEWER if newer else PInput.PEER_ABORT, remote=True)
+        if released:  # a tombstone has nothing in flight: acknowledge at once
+            self._send_owed(rec)
+
+    def _on_withdraw(self, now: float, peer: str, rec: _Transfer, epoch: int) -> None:
+        reg, pending = rec.reg, rec.pending
+        if pending is not None and pending.epoch == epoch:
             rec.pending = None
             self._out.append(Send(peer, Settled(rec.transfer_id, epoch)))
-        elif rec.reg is not None and rec.reg.epoch == epoch and not rec.withdrawn:
+        elif reg is not None and reg.epoch == epoch and rec.writes is not _Writes.WITHDRAWN:
             # Lent, with the transfer already over: the end of that epoch's
             # reads is all we waited for.
             over = rec.state is PState.LENT and rec.ending is not None
+            if rec.state is PState.WRITING:  # answered once its writes settle
+                rec.writes = _Writes.WITHDRAWN
             self._step(now, rec, PInput.READ_DONE if over else PInput.WITHDRAW, remote=True)
         elif self._in_flight(rec, epoch):
             self._counters["withdraw_duplicate"] += 1
@@ -285,67 +339,77 @@ class Producer(Endpoint):
             self._out.append(Send(peer, Settled(rec.transfer_id, epoch)))
 
     def _on_register(self, now: float, peer: str, msg: Register) -> None:
-        view = self._peers[peer]
-        assert view.hello is not None
-        tid, epoch = msg.transfer_id, msg.epoch
+        hello = self._peers[peer].hello
+        assert hello is not None
         if (
             msg.consumer != peer
-            or len(msg.blocks) != view.hello.kv_groups
+            or len(msg.blocks) != hello.kv_groups
             or msg.lease <= 0
-            or not _inside(msg.blocks, view.hello.layout)
+            or not _inside(msg.blocks, hello.layout)
         ):
             # A registration says where to write in remote memory: it may only
             # name blocks inside the regions its sender declared at handshake.
             self._counters["register_invalid"] += 1
-            self._out.append(Send(peer, Rejected(tid, epoch, RejectReason.INVALID)))
+            self._refuse(peer, msg, RejectReason.INVALID)
             return
-        rec = self._get(now, tid)
+        rec = self._get(now, msg.transfer_id)
         if rec.peer is not None and rec.peer != peer:
             self._counters["register_peer_mismatch"] += 1
-            self._out.append(Send(peer, Rejected(tid, epoch, RejectReason.PEER_MISMATCH)))
-            return
-        reg, pending = rec.reg, rec.pending
-        if (
-            (reg is not None and reg.epoch == epoch)
-            or (pending is not None and pending.epoch == epoch)
-            or (rec.state is PState.RELEASED and epoch == rec.delivered_epoch)
-        ):
+            self._refuse(peer, msg, RejectReason.PEER_MISMATCH)
+        elif self._known(rec, msg.epoch):
             # A duplicate, also of an epoch already delivered and released: a
             # Rejected would wrongly fail a transfer whose data already landed.
             self._counters["register_duplicate"] += 1
-            return
+        elif (reason := self._refusal(rec, msg)) is not None:
+            self._refuse(peer, msg, reason)
+        else:
+            self._accept(now, rec, peer, msg)
+
+    def _known(self, rec: _Transfer, epoch: int) -> bool:
+        """Whether ``epoch`` is the live or waiting epoch, or was delivered."""
+        reg, pending = rec.reg, rec.pending
+        return (
+            (reg is not None and reg.epoch == epoch)
+            or (pending is not None and pending.epoch == epoch)
+            or (rec.state is PState.RELEASED and epoch == rec.delivered_epoch)
+        )
+
+    def _refusal(self, rec: _Transfer, msg: Register) -> RejectReason | None:
+        """Why a new registration is refused (counted), if it is."""
         if msg.mode not in self.identity.modes:
             self._counters["register_invalid"] += 1
-            self._out.append(Send(peer, Rejected(tid, epoch, RejectReason.INVALID)))
-            return
+            return RejectReason.INVALID
         if rec.state in (PState.RELEASED, PState.DRAINING):
             self._counters["register_after_release"] += 1
-            self._out.append(Send(peer, Rejected(tid, epoch, RejectReason.RELEASED)))
-            return
-        if epoch <= rec.max_epoch:
+            return RejectReason.RELEASED
+        if msg.epoch <= rec.max_epoch:
             self._counters["register_stale"] += 1
-            self._out.append(Send(peer, Rejected(tid, epoch, RejectReason.SUPERSEDED)))
-            return
+            return RejectReason.SUPERSEDED
+        return None
+
+    def _refuse(self, peer: str, msg: Register, reason: RejectReason) -> None:
+        self._out.append(Send(peer, Rejected(msg.transfer_id, msg.epoch, reason)))
+
+    def _accept(self, now: float, rec: _Transfer, peer: str, msg: Register) -> None:
         rec.peer = peer
-        rec.max_epoch = epoch
+        rec.max_epoch = msg.epoch
         rec.timeline.registration_received = now
-        reg = _Reg(epoch, peer, msg.blocks, now + msg.lease, msg.mode, msg.skip_tokens)
-        if rec.state in (PState.WRITING, PState.LENT):
+        reg = _Reg(msg.epoch, peer, msg.blocks, now + msg.lease, msg.mode, msg.skip_tokens)
+        if rec.state in (PState.WRITING, PState.LENT):  # it waits for the live epoch
             if rec.pending is not None:
                 self._reject(rec, rec.pending, RejectReason.SUPERSEDED)
             rec.pending = reg
-            if rec.state is PState.WRITING:
-                rec.withdrawn = True  # the consumer moved on from the live epoch
-            self._step(now, rec, PInput.REGISTER, remote=True)
-            return
-        if rec.state is PState.WAIT_KV:
-            assert rec.reg is not None
-            self._reject(rec, rec.reg, RejectReason.SUPERSEDED)
-        rec.reg = reg
-        if rec.state is PState.HOLDING:
+            if rec.state is PState.WRITING:  # the consumer moved on from the live epoch
+                rec.writes = _Writes.WITHDRAWN
+        elif rec.state is PState.HOLDING:
+            rec.reg = reg
             self._rendezvous(now, rec)
-        else:
-            self._step(now, rec, PInput.REGISTER, remote=True)
+            return
+        else:  # IDLE, or WAIT_KV with an older epoch
+            if rec.reg is not None:
+                self._reject(rec, rec.reg, RejectReason.SUPERSEDED)
+            rec.reg = reg
+        self._step(now, rec, PInput.REGISTER, remote=True)
 
     def _on_peer_ready(self, now: float, peer: str) -> None:
         pass
@@ -366,20 +430,27 @@ class Producer(Endpoint):
     def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
         rec = self._tx[key]  # type: ignore[index]
         del rec.timers[kind]
-        if kind is Timer.EXPIRE:
-            self._step(now, rec, PInput.EXPIRED)
-        elif kind is Timer.LEASE:
-            self._step(now, rec, PInput.LEASE_EXPIRED)
-        elif kind is Timer.HOLD:
-            self._step(now, rec, PInput.HOLD_EXPIRED)
-        elif kind is Timer.QUARANTINE:
-            self._step(now, rec, PInput.QUARANTINE)
-        else:  # Timer.OP: writes past their bound are dead
-            assert rec.reg is not None
-            epoch = rec.reg.epoch
-            self._counters["write_timeout"] += 1
-            for source, rank in sorted(rec.inflight):
-                self.write_failed(now, rec.transfer_id, epoch, source, rank, "timeout")
+        inp = _FIRES.get(kind)
+        if inp is not None:
+            self._step(now, rec, inp)
+            return
+        # Timer.OP: writes past their bound are dead
+        assert rec.reg is not None
+        epoch = rec.reg.epoch
+        self._counters["write_timeout"] += 1
+        for source, rank in sorted(rec.inflight):
+            self.write_failed(now, rec.transfer_id, epoch, source, rank, "timeout")
+
+    def _arm_for(self, rec: _Transfer) -> None:
+        timer = _TIMERS.get(rec.state)
+        if timer is None:
+            rec.timers.clear()
+            return
+        kind, when = timer[0], timer[1](rec)
+        if len(rec.timers) == 1 and rec.timers.get(kind) == when:
+            return  # its heap entry is still queued and valid
+        rec.timers.clear()
+        self._arm(rec.timers, kind, when, rec.transfer_id)
 
     # --- transitions -------------------------------------------------------------
 
@@ -400,8 +471,7 @@ class Producer(Endpoint):
 
     def _rendezvous(self, now: float, rec: _Transfer) -> None:
         assert rec.reg is not None
-        mode = rec.reg.mode
-        push = mode is Mode.PUSH
+        push = rec.reg.mode is Mode.PUSH
         self._step(now, rec, PInput.RENDEZVOUS_PUSH if push else PInput.RENDEZVOUS_PULL)
 
     def _write_result(
@@ -417,13 +487,9 @@ class Producer(Endpoint):
         if rec is None or not self._in_flight(rec, epoch) or pair not in rec.inflight:
             self._counters["write_result_unknown"] += 1
             return
-        assert rec.reg is not None
         rec.inflight.discard(pair)
         if detail:
-            rec.write_failed = True
-            if rec.ending is not ReleaseOutcome.PEER_LOST:
-                failed = WriteFailed(transfer_id, epoch, pair[0], pair[1], detail)
-                self._out.append(Send(rec.reg.peer, failed))
+            self._failed_write(rec, epoch, pair, detail)
         else:
             rec.timeline.write_done[pair] = now
             if stamps is not None:
@@ -431,25 +497,36 @@ class Producer(Endpoint):
         if rec.inflight:  # not the last: no side effects, the table keeps the state
             self._step(now, rec, PInput.WRITE_SETTLED)
             return
-        if rec.state is PState.DRAINING:
-            settle = PInput.SETTLED_FAILED if rec.write_failed else PInput.SETTLED_DELIVERED
-        elif rec.pending is not None:
-            if now > rec.pending.lease_until:
-                self._reject(rec, rec.pending, RejectReason.LEASE_EXPIRED)
-                rec.pending = None
-                settle = PInput.SETTLED_IDLE
-            elif rec.pending.mode is Mode.PUSH:
-                settle = PInput.SETTLED_NEXT
-            else:  # a pull epoch is lent from HOLDING, never written
-                settle = PInput.SETTLED_IDLE
-        elif rec.withdrawn:
-            settle = PInput.SETTLED_IDLE
-        else:
-            settle = PInput.SETTLED_FAILED if rec.write_failed else PInput.SETTLED_DELIVERED
-        self._step(now, rec, settle)
+        settled = self._settled(now, rec)
+        rec.writes = _Writes.DELIVERING  # none in flight
+        self._step(now, rec, settled)
+
+    def _failed_write(self, rec: _Transfer, epoch: int, pair: Pair, detail: str) -> None:
+        if rec.writes is _Writes.DELIVERING:
+            rec.writes = _Writes.FAILING
+        if rec.ending is not ReleaseOutcome.PEER_LOST:
+            assert rec.reg is not None
+            failed = WriteFailed(rec.transfer_id, epoch, pair[0], pair[1], detail)
+            self._out.append(Send(rec.reg.peer, failed))
+
+    def _settled(self, now: float, rec: _Transfer) -> PInput:
+        """The input that the last in-flight write's settling feeds."""
+        if rec.state is PState.DRAINING or rec.writes is not _Writes.WITHDRAWN:
+            failed = rec.writes is _Writes.FAILING
+            return PInput.SETTLED_FAILED if failed else PInput.SETTLED_DELIVERED
+        pending = rec.pending
+        if pending is None:
+            return PInput.SETTLED_IDLE
+        if now > pending.lease_until:
+            self._reject(rec, pending, RejectReason.LEASE_EXPIRED)
+            rec.pending = None
+            return PInput.SETTLED_IDLE
+        # A pull epoch is lent from HOLDING, never written.
+        return PInput.SETTLED_NEXT if pending.mode is Mode.PUSH else PInput.SETTLED_IDLE
 
     def _step(self, now: float, rec: _Transfer, inp: PInput, *, remote: bool = False) -> None:
-        """Apply ``inp`` to ``rec`` through the table, then its side effects."""
+        """Apply ``inp`` to ``rec`` through the table, then its side effects:
+        those of the input (an abort), then those of the state entered."""
         old = rec.state
         new = PRODUCER.get((old, inp))
         if new is None:
@@ -458,101 +535,35 @@ class Producer(Endpoint):
                 return
             raise LocalProtocolError(f"{inp.name} is not allowed in state {old.name}")
         rec.state = new
-        if inp is not PInput.WRITE_SETTLED:  # the one input without side effects
-            self._effects(now, rec, old, inp)
-        state = rec.state
-        if state is PState.GONE:
-            del self._tx[rec.transfer_id]
-            return
-        if state is not old or inp in (PInput.SETTLED_NEXT, PInput.REGISTER):
-            self._arm_for(now, rec, old)
+        if inp in _ABORTS:
+            self._aborted(rec, old, inp)
+        if new is not old or inp in _REENTER:
+            enter = _ENTER.get(new)
+            if enter is not None:
+                enter(self, now, rec, inp)
+        if new is not old or inp in _REARM:
+            self._arm_for(rec)
 
-    def _effects(self, now: float, rec: _Transfer, old: PState, inp: PInput) -> None:
-        new = rec.state
-        tid = rec.transfer_id
-        if inp in (PInput.RENDEZVOUS_PUSH, PInput.SETTLED_NEXT):
-            if inp is PInput.SETTLED_NEXT:
-                assert rec.reg is not None and rec.pending is not None
-                self._settle_owed(rec, rec.reg.epoch)
-                rec.reg, rec.pending = rec.pending, None
-            self._start_writes(now, rec)
-        elif inp is PInput.RENDEZVOUS_PULL:
-            assert rec.reg is not None and rec.src is not None
-            lease = rec.reg.lease_until - now
-            view = self._peers[rec.reg.peer]
-            assert view.hello is not None
-            rec.quarantine_at = rec.reg.lease_until + self.config.timing.max_transit
-            rec.quarantine_at += view.hello.op_bound
-            rec.withdrawn = False
-            rec.timeline.write_started = now
-            self._out.append(Send(rec.reg.peer, Announce(tid, rec.reg.epoch, rec.src, lease)))
-        elif inp is PInput.SETTLED_IDLE or (old is PState.LENT and inp is PInput.WITHDRAW):
-            assert rec.reg is not None
-            if inp is PInput.SETTLED_IDLE:
-                self._settle_owed(rec, rec.reg.epoch)
-            rec.reg = None
-            rec.hold_until = now + self.config.kv_hold_timeout
-        elif inp is PInput.WITHDRAW and old is PState.WAIT_KV:
-            assert rec.reg is not None
-            self._out.append(Send(rec.reg.peer, Settled(tid, rec.reg.epoch)))
-            rec.reg = None
-        elif inp is PInput.WITHDRAW:  # WRITING: settle later
-            rec.withdrawn = True
-        elif inp is PInput.LEASE_EXPIRED:
-            assert rec.reg is not None
-            self._reject(rec, rec.reg, RejectReason.LEASE_EXPIRED)
-            rec.reg = None
-        elif inp is PInput.PEER_DOWN and old is PState.WAIT_KV:
-            rec.reg = None
-        elif inp in (PInput.ABORT, PInput.PEER_ABORT, PInput.PEER_ABORT_NEWER):
-            self._abort_effects(rec, old, inp)
-        elif inp is PInput.KV_READY and old is PState.IDLE:
-            rec.hold_until = now + self.config.kv_hold_timeout
-        if new is PState.RELEASED and (old is not PState.RELEASED or inp is PInput.KV_READY):
-            self._release(now, rec, inp)
-        elif new is PState.HOLDING and rec.pending is not None:
-            if now > rec.pending.lease_until:  # it waited too long: never start it
-                self._reject(rec, rec.pending, RejectReason.LEASE_EXPIRED)
-                rec.pending = None
-            else:
-                rec.reg, rec.pending = rec.pending, None
-                self._rendezvous(now, rec)
+    # --- side effects, by the state entered -----------------------------------------
 
-    def _abort_effects(self, rec: _Transfer, old: PState, inp: PInput) -> None:
-        tid = rec.transfer_id
-        if inp is PInput.ABORT:
-            if rec.ending is None:
-                rec.ending = ReleaseOutcome.ABORTED
-            if old in (PState.WRITING, PState.WAIT_KV, PState.LENT) and rec.reg is not None:
-                self._out.append(Send(rec.reg.peer, Abort(tid, rec.reg.epoch)))
-                rec.owe.add(rec.reg.epoch)
-            elif old in (PState.IDLE, PState.HOLDING) and rec.peer is not None:
-                self._out.append(Send(rec.peer, Abort(tid, rec.max_epoch)))
-                rec.owe.add(rec.max_epoch)
-        elif rec.reg is not None:
-            rec.owe.add(rec.reg.epoch)
-        if rec.pending is not None:
-            self._reject(rec, rec.pending, RejectReason.RELEASED)
-            rec.pending = None
-        if old is PState.WRITING and rec.reg is not None:
-            rec.owe.add(rec.reg.epoch)
-
-    def _start_writes(self, now: float, rec: _Transfer) -> None:
+    def _write(self, now: float, rec: _Transfer, inp: PInput) -> None:
+        """WRITING: start the live epoch's writes (after the old one, if any)."""
+        if inp is PInput.SETTLED_NEXT:
+            assert rec.reg is not None
+            self._settle_owed(rec, rec.reg.epoch)
+            rec.reg, rec.pending = rec.pending, None
         reg, src = rec.reg, rec.src
         assert reg is not None and src is not None
         view = self._peers[reg.peer]
         assert view.topology is not None
         tid, epoch = rec.transfer_id, reg.epoch
-        rec.withdrawn = False
-        rec.write_failed = False
         rec.op_deadline = reg.lease_until + self.config.timing.op_bound
         rec.timeline.epoch = epoch
         rec.timeline.write_started = now
-        out = self._out
         for route in view.topology.routes:
             notice = Completion(tid, epoch, route.source, route.consumer_rank)
             rec.inflight.add((route.source, route.consumer_rank))
-            out.append(
+            self._out.append(
                 StartWrite(
                     tid,
                     epoch,
@@ -565,6 +576,90 @@ class Producer(Endpoint):
                     reg.skip_tokens,
                 )
             )
+
+    def _lend(self, now: float, rec: _Transfer, inp: PInput) -> None:
+        """LENT: announce the KV for the rest of the lease."""
+        reg, src = rec.reg, rec.src
+        assert reg is not None and src is not None
+        hello = self._peers[reg.peer].hello
+        assert hello is not None
+        rec.quarantine_at = reg.lease_until + self.config.timing.max_transit + hello.op_bound
+        rec.timeline.write_started = now
+        lease = reg.lease_until - now
+        self._out.append(Send(reg.peer, Announce(rec.transfer_id, reg.epoch, src, lease)))
+
+    def _hold(self, now: float, rec: _Transfer, inp: PInput) -> None:
+        """HOLDING: the live epoch (if any) is over; a waiting one starts now."""
+        if inp is PInput.SETTLED_IDLE:
+            assert rec.reg is not None
+            self._settle_owed(rec, rec.reg.epoch)
+        rec.reg = None
+        rec.hold_until = now + self.config.kv_hold_timeout
+        pending = rec.pending
+        if pending is None:
+            return
+        rec.pending = None
+        if now > pending.lease_until:  # it waited too long: never start it
+            self._reject(rec, pending, RejectReason.LEASE_EXPIRED)
+        else:
+            rec.reg = pending
+            self._rendezvous(now, rec)
+
+    def _unwait(self, now: float, rec: _Transfer, inp: PInput) -> None:
+        """IDLE (from WAIT_KV): the waiting registration is over."""
+        reg = rec.reg
+        assert reg is not None
+        if inp is PInput.WITHDRAW:
+            self._out.append(Send(reg.peer, Settled(rec.transfer_id, reg.epoch)))
+        elif inp is PInput.LEASE_EXPIRED:
+            self._reject(rec, reg, RejectReason.LEASE_EXPIRED)
+        rec.reg = None
+        rec.expires_at = now + self.config.tombstone_ttl
+
+    def _release(self, now: float, rec: _Transfer, inp: PInput) -> None:
+        """RELEASED: settle what is owed and give the source blocks back."""
+        outcome = rec.ending or _OUTCOMES.get(inp, ReleaseOutcome.ABORTED)
+        reg = rec.reg
+        if inp is PInput.SETTLED_FAILED and reg is not None:
+            rec.owe.add(reg.epoch)
+        self._send_owed(rec)
+        if rec.pending is not None:
+            self._reject(rec, rec.pending, RejectReason.RELEASED)
+        if outcome is ReleaseOutcome.DELIVERED and reg is not None:
+            rec.delivered_epoch = reg.epoch
+        rec.reg = rec.pending = None
+        rec.expires_at = now + self.config.tombstone_ttl
+        if rec.src is not None:
+            self._held_blocks -= sum(map(len, rec.src))
+            rec.timeline.released = now
+            self._out.append(
+                SourceReleased(rec.transfer_id, rec.src, outcome, rec.timeline.freeze())
+            )
+
+    def _forget(self, now: float, rec: _Transfer, inp: PInput) -> None:
+        """GONE: nothing held, no duplicate can still arrive."""
+        del self._tx[rec.transfer_id]
+
+    # --- side effects of the aborts, in any state ----------------------------------
+
+    def _aborted(self, rec: _Transfer, old: PState, inp: PInput) -> None:
+        if inp is PInput.ABORT:
+            rec.ending = rec.ending or ReleaseOutcome.ABORTED
+            self._send_abort(rec, old)
+        elif rec.reg is not None:
+            rec.owe.add(rec.reg.epoch)
+        if rec.pending is not None:
+            self._reject(rec, rec.pending, RejectReason.RELEASED)
+            rec.pending = None
+
+    def _send_abort(self, rec: _Transfer, old: PState) -> None:
+        """A local abort: tell the consumer of its live epoch (or of the newest
+        epoch it named), unless it was told already or none is known."""
+        if old in (PState.DRAINING, PState.RELEASED) or rec.peer is None:
+            return
+        epoch = rec.max_epoch if rec.reg is None else rec.reg.epoch
+        self._out.append(Send(rec.peer, Abort(rec.transfer_id, epoch)))
+        rec.owe.add(epoch)
 
     def _settle_owed(self, rec: _Transfer, epoch: int) -> None:
         """No write of ``epoch`` (nor of any owed epoch) can land any more:
@@ -580,53 +675,15 @@ class Producer(Endpoint):
                 self._out.append(Send(rec.peer, Settled(rec.transfer_id, e)))
         rec.owe.clear()
 
-    def _release(self, now: float, rec: _Transfer, inp: PInput) -> None:
-        if inp is PInput.SETTLED_FAILED:
-            outcome = rec.ending or ReleaseOutcome.FAILED
-        elif inp in (PInput.SETTLED_DELIVERED, PInput.READ_DONE):
-            outcome = rec.ending or ReleaseOutcome.DELIVERED
-        elif inp is PInput.QUARANTINE:
-            outcome = rec.ending or ReleaseOutcome.EXPIRED
-        elif inp is PInput.HOLD_EXPIRED:
-            outcome = ReleaseOutcome.EXPIRED
-        else:
-            outcome = ReleaseOutcome.ABORTED
-        if inp is PInput.SETTLED_FAILED and rec.reg is not None:
-            rec.owe.add(rec.reg.epoch)
-        self._send_owed(rec)
-        if rec.pending is not None:
-            self._reject(rec, rec.pending, RejectReason.RELEASED)
-        if outcome is ReleaseOutcome.DELIVERED and rec.reg is not None:
-            rec.delivered_epoch = rec.reg.epoch
-        rec.reg = rec.pending = None
-        rec.expires_at = now + self.config.tombstone_ttl
-        if rec.src is not None and not rec.released:
-            rec.released = True
-            self._held_blocks -= sum(map(len, rec.src))
-            rec.timeline.released = now
-            self._out.append(
-                SourceReleased(rec.transfer_id, rec.src, outcome, rec.timeline.freeze())
-            )
 
-    def _arm_for(self, now: float, rec: _Transfer, old: PState) -> None:
-        kind = _TIMERS.get(rec.state)
-        if kind is None:
-            rec.timers.clear()
-            return
-        if kind is Timer.EXPIRE:
-            if rec.state is PState.IDLE and old is not PState.IDLE:
-                rec.expires_at = now + self.config.tombstone_ttl
-            when = rec.expires_at
-        elif kind is Timer.LEASE:
-            assert rec.reg is not None
-            when = rec.reg.lease_until
-        elif kind is Timer.HOLD:
-            when = rec.hold_until
-        elif kind is Timer.OP:
-            when = rec.op_deadline
-        else:
-            when = rec.quarantine_at
-        if len(rec.timers) == 1 and rec.timers.get(kind) == when:
-            return  # its heap entry is still queued and valid
-        rec.timers.clear()
-        self._arm(rec.timers, kind, when, rec.transfer_id)
+_Entry = Callable[[Producer, float, _Transfer, PInput], None]
+
+#: Side effects of entering each state (``_REENTER``: also of some self-loops).
+_ENTER: dict[PState, _Entry] = {
+    PState.IDLE: Producer._unwait,
+    PState.HOLDING: Producer._hold,
+    PState.WRITING: Producer._write,
+    PState.LENT: Producer._lend,
+    PState.RELEASED: Producer._release,
+    PState.GONE: Producer._forget,
+}

@@ -98,6 +98,36 @@ def _writer_of_head(producer_tp: int, heads: int, head: int, consumer_rank: int)
     return head * replicas + consumer_rank % replicas
 
 
+def _mla_routes(producer_tp: int, producer_pp: int, consumer_tp: int, heads: int) -> list[Route]:
+    """The latent KV is replicated on every rank: one writer per consumer rank."""
+    whole = HeadSlice(0, heads)
+    return [
+        Route(Source(c % producer_tp, stage), c, whole)
+        for c in range(consumer_tp)
+        for stage in range(producer_pp)
+    ]
+
+
+def _head_routes(producer_tp: int, producer_pp: int, consumer_tp: int, heads: int) -> list[Route]:
+    """Each consumer rank's heads, in runs of consecutive heads of one writer."""
+    for p in range(producer_tp):  # validate the producer side up front
+        _heads_of_rank("producer", producer_tp, heads, p)
+    routes: list[Route] = []
+    for c in range(consumer_tp):
+        need = _heads_of_rank("consumer", consumer_tp, heads, c)
+        runs: list[tuple[int, int, int]] = []  # (writer, first head, count)
+        for head in range(need.start, need.start + need.count):
+            writer = _writer_of_head(producer_tp, heads, head, c)
+            if runs and runs[-1][0] == writer:
+                runs[-1] = (writer, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((writer, head, 1))
+        for stage in range(producer_pp):
+            for writer, first, count in runs:
+                routes.append(Route(Source(writer, stage), c, HeadSlice(first, count)))
+    return routes
+
+
 def compute_topology(
     producer_tp: int,
     producer_pp: int,
@@ -115,28 +145,10 @@ def compute_topology(
     _check_size("consumer TP", consumer_tp)
     if type(num_kv_heads) is not int or not 1 <= num_kv_heads <= 1 << 16:
         raise TopologyError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
-    routes: list[Route] = []
     if mla:
-        # The latent KV is replicated on every rank: one writer per consumer rank.
-        whole = HeadSlice(0, num_kv_heads)
-        for c in range(consumer_tp):
-            for stage in range(producer_pp):
-                routes.append(Route(Source(c % producer_tp, stage), c, whole))
+        routes = _mla_routes(producer_tp, producer_pp, consumer_tp, num_kv_heads)
     else:
-        for p in range(producer_tp):  # validate the producer side up front
-            _heads_of_rank("producer", producer_tp, num_kv_heads, p)
-        for c in range(consumer_tp):
-            need = _heads_of_rank("consumer", consumer_tp, num_kv_heads, c)
-            runs: list[tuple[int, int, int]] = []  # (writer, first head, count)
-            for head in range(need.start, need.start + need.count):
-                writer = _writer_of_head(producer_tp, num_kv_heads, head, c)
-                if runs and runs[-1][0] == writer:
-                    runs[-1] = (writer, runs[-1][1], runs[-1][2] + 1)
-                else:
-                    runs.append((writer, head, 1))
-            for stage in range(producer_pp):
-                for writer, first, count in runs:
-                    routes.append(Route(Source(writer, stage), c, HeadSlice(first, count)))
+        routes = _head_routes(producer_tp, producer_pp, consumer_tp, num_kv_heads)
     by_consumer = tuple(
         frozenset(r.source for r in routes if r.consumer_rank == c) for c in range(consumer_tp)
     )

@@ -1,6 +1,13 @@
-"""The anyio runtime that pumps the sans-IO core: control channel, data plane,
-shared-memory transport and a synchronous facade (work in progress: the demo,
-metrics and benchmarks arrive with the rest of the runtime issue)."""
+"""The anyio runtime that pumps the sans-IO core (docs/runtime.md).
+
+One pump per endpoint (:class:`ProducerRuntime` / :class:`ConsumerRuntime`),
+the TCP :class:`ControlChannel`, the :class:`DataPlane` thread with its
+planner (:class:`TransferPlanner`), the :class:`Transport` interface and the
+registry of its implementations (:func:`transport_kind`: ``shm`` in
+:mod:`kvpush.shm`, ``nixl`` in ``kvpush_nixl``, a layer above this one), a
+synchronous facade (:class:`SyncRuntime`) and Prometheus metrics
+(:class:`EndpointMetrics`). It imports the core and nothing above it
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ from ._channel import (
 from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Rank, Result
 from ._facade import SyncRuntime
 from ._metrics import EndpointMetrics
+from ._plan import TransferPlan, TransferPlanner, plan_transfer
+from ._registry import TRANSPORTS_GROUP, TransportKind, transport_kind, transport_kinds
 from ._runtime import (
     ConsumerRuntime,
     DataPlaneLike,
@@ -26,7 +35,6 @@ from ._runtime import (
     decode_rank,
     encode_rank,
 )
-from ._shm import ShmTransport
 from ._transport import (
     Completed,
     Descriptors,
@@ -38,6 +46,7 @@ from ._transport import (
 )
 
 __all__ = (
+    "TRANSPORTS_GROUP",
     "Backoff",
     "ChannelBusy",
     "ChannelClosed",
@@ -63,10 +72,15 @@ __all__ = (
     "Rank",
     "Received",
     "Result",
-    "ShmTransport",
     "SyncRuntime",
+    "TransferPlan",
+    "TransferPlanner",
     "Transport",
     "TransportError",
+    "TransportKind",
     "decode_rank",
     "encode_rank",
+    "plan_transfer",
+    "transport_kind",
+    "transport_kinds",
 )

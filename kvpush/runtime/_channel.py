@@ -45,6 +45,10 @@ fails every waiting :meth:`~ControlChannel.send` with :class:`ChannelClosed`,
 discards queued frames (counted), closes every socket and cancels every task;
 it never waits on the network.
 
+Parts. The channel runs each peer's writer and each connection's reader; it
+owns its :class:`~._channel_peer.Peers`, its :class:`~._channel_links.Links`
+(dial and accept) and the :class:`~._channel_peer.Hub` they share.
+
 Connections open with the preamble described in :mod:`._framing`. When both
 sides dial at once, the acceptor with the smaller name refuses the other's dial
 while its own is in flight (so the connection dialed by the smaller name wins
@@ -59,18 +63,14 @@ its transfers). Without a secret, whoever reaches the port is trusted.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import random
-import secrets
-import socket
 from types import MappingProxyType, TracebackType
 from typing import Final
 
 import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from kvpush.protocol import (
     Codec,
@@ -80,8 +80,8 @@ from kvpush.protocol import (
     Timing,
 )
 
-from ._channel_links import _CLOSED, _NET_ERRORS, _NEW, _OPEN, _Admission, _Links
-from ._channel_peer import _Conn, _Outbox, _Peer
+from ._channel_links import Admission, Links
+from ._channel_peer import CLOSED, NET_ERRORS, NEW, OPEN, Conn, Hub, Peer, Peers
 from ._channel_types import (
     Backoff,
     ChannelBusy,
@@ -94,8 +94,8 @@ from ._channel_types import (
     PeerStatistics,
     PeerUnreachable,
     Received,
-    _check_name,
-    _positive,
+    check_name,
+    positive,
 )
 from ._framing import FramingError, encode_frame, read_frame
 
@@ -121,7 +121,7 @@ log = logging.getLogger("kvpush.runtime.channel")
 _CLOSE_GRACE: Final = 2.0
 
 
-class ControlChannel(_Links):
+class ControlChannel:
     """Control frames between this endpoint (``name``) and its peers over TCP.
 
     Use as ``async with ControlChannel(name, codec) as ch:``; inside, call
@@ -155,7 +155,7 @@ class ControlChannel(_Links):
         preamble_timeout: float = 1.0,
         refusal_log_interval: float = 10.0,
     ) -> None:
-        self._name = _check_name("name", name)
+        check_name("name", name)
         if not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a Codec, got {type(codec).__name__}")
         for what, n in (
@@ -177,61 +177,54 @@ class ControlChannel(_Links):
             ("preamble_timeout", preamble_timeout),
             ("refusal_log_interval", refusal_log_interval),
         ):
-            _positive(what, v)
+            positive(what, v)
         if max_handshakes_per_source > max_handshakes:
             raise ConfigError("max_handshakes_per_source must be <= max_handshakes")
         if idle_timeout is not None:
-            _positive("idle_timeout", idle_timeout)
+            positive("idle_timeout", idle_timeout)
         if backoff is not None and not isinstance(backoff, Backoff):
             raise ConfigError(f"backoff must be a Backoff, got {type(backoff).__name__}")
         self._codec = codec
-        self._max_queue = max_queue
-        self._max_queue_bytes = max_queue_bytes
         self._send_timeout = float(send_timeout)
-        self._connect_timeout = float(connect_timeout)
         self._write_timeout = float(write_timeout)
-        self._backoff = Backoff() if backoff is None else backoff
-        self._peer_lost_after = float(peer_lost_after)
         self._max_age = float(max_age)
         self._max_events = max_events
         self._idle_timeout = idle_timeout
-        self._instance = secrets.randbits(64)
-        self._rng = random.Random(secrets.randbits(64))
-        self._state = _NEW
-        self._peers: dict[str, _Peer] = {}
-        self._outer: anyio.abc.TaskGroup | None = None
-        self._inner: anyio.abc.TaskGroup | None = None
-        self._stopped: anyio.Event | None = None
-        self._events_send: MemoryObjectSendStream[ChannelEvent] | None = None
-        self._events_recv: MemoryObjectReceiveStream[ChannelEvent] | None = None
-        self._listeners: list[anyio.abc.Listener[anyio.abc.SocketStream]] = []
-        self._ports: list[int] = []
-        self._sockets: set[anyio.abc.SocketStream] = set()
-        self._admission = _Admission(
-            self._name,
+        self._hub = hub = Hub(name, self._max_age)
+        self._peers = Peers(hub, self._run_peer, max_queue, max_queue_bytes, float(peer_lost_after))
+        adm = Admission(
+            hub,
             max_handshakes,
             max_handshakes_per_source,
             float(preamble_timeout),
             float(refusal_log_interval),
         )
-        self._handshake_failures = 0
+        backoff = Backoff() if backoff is None else backoff
+        self._links = Links(
+            hub, self._peers, self._read_loop, codec, float(connect_timeout), backoff, adm
+        )
+        self._stopped: anyio.Event | None = None
+        self._outer: anyio.abc.TaskGroup | None = None
+        self._events_recv: MemoryObjectReceiveStream[ChannelEvent] | None = None
+        self._listeners: list[anyio.abc.Listener[anyio.abc.SocketStream]] = []
+        self._ports: list[int] = []
         self._garbage = 0
-        self._discarded = 0
 
     def __repr__(self) -> str:
-        return f"ControlChannel({self._name!r}, {self._state}, peers={sorted(self._peers)})"
+        hub = self._hub
+        return f"ControlChannel({hub.name!r}, {hub.state}, peers={sorted(self._peers.by_name)})"
 
     @property
     def name(self) -> str:
-        return self._name
+        return self._hub.name
 
     # --- lifecycle --------------------------------------------------------------------
 
     async def __aenter__(self) -> ControlChannel:
-        if self._state is not _NEW:
+        if self._hub.state is not NEW:
             raise ChannelClosed("a ControlChannel can be entered only once")
         send, recv = anyio.create_memory_object_stream[ChannelEvent](self._max_events)
-        self._events_send, self._events_recv = send, recv
+        self._hub.events, self._events_recv = send, recv
         self._stopped = anyio.Event()
         outer = anyio.create_task_group()
         await outer.__aenter__()
@@ -241,9 +234,9 @@ class ControlChannel(_Links):
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
-        self._state = _OPEN
-        for p in self._peers.values():
-            self._spawn_peer(p)
+        self._hub.state = OPEN
+        for p in self._peers.by_name.values():
+            self._peers.start(p)
         return self
 
     async def __aexit__(
@@ -270,7 +263,7 @@ class ControlChannel(_Links):
     ) -> None:
         try:
             async with anyio.create_task_group() as tg:
-                self._inner = tg
+                self._hub.tg = tg
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -280,33 +273,18 @@ class ControlChannel(_Links):
     async def aclose(self) -> None:
         """Close now: waiting senders get :class:`ChannelClosed`, queued frames are
         discarded, sockets closed, tasks cancelled. Idempotent; never hangs."""
-        if self._state is _CLOSED:
+        if self._hub.state is CLOSED:
             return
-        self._state = _CLOSED
+        self._hub.state = CLOSED
         with anyio.CancelScope(shield=True):
-            for p in list(self._peers.values()):
-                n = p.outbox.close(ChannelClosed, "the channel is closed")
-                self._discarded += n
-                if n:
-                    log.info("%s: discarded %d frame(s) to %s at close", self._name, n, p.name)
-            if self._inner is not None:
-                self._inner.cancel_scope.cancel()
+            self._peers.close()
             for listener in self._listeners:
                 await anyio.aclose_forcefully(listener)
-            for stream in list(self._sockets):
-                await anyio.aclose_forcefully(stream)
-            self._sockets.clear()
-            if self._events_send is not None:
-                self._events_send.close()
-            self._admission.log_line(anyio.current_time())  # what the rate limit held back
+            await self._hub.close()
+            self._links.admission.log_line(anyio.current_time())  # held back by the rate limit
             if self._stopped is not None:
                 with anyio.move_on_after(_CLOSE_GRACE):
                     await self._stopped.wait()
-
-    def _tg(self) -> anyio.abc.TaskGroup:
-        if self._state is not _OPEN or self._inner is None:
-            raise ChannelClosed("the channel is not open")
-        return self._inner
 
     # --- public API -------------------------------------------------------------------
 
@@ -319,9 +297,10 @@ class ControlChannel(_Links):
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Accept peers on ``host:port`` (0: any free port); returns the port."""
-        self._tg()
+        if not self._hub.open:
+            raise ChannelClosed("the channel is not open")
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-        if self._state is not _OPEN:
+        if self._hub.state is not OPEN:
             await anyio.aclose_forcefully(listener)
             raise ChannelClosed("the channel closed while it started listening")
         self._listeners.append(listener)
@@ -329,26 +308,26 @@ class ControlChannel(_Links):
         self._ports.append(actual)
         for sub in listener.listeners:
             if isinstance(sub, anyio.abc.SocketListener):
-                self._tg().start_soon(self._accept_loop, sub)
+                self._hub.spawn(self._links.accept_loop, sub)
             else:  # pragma: no cover - TCP listeners are socket listeners
-                self._tg().start_soon(sub.serve, self._on_accept, self._tg())
-        log.info("%s: listening on %s:%d", self._name, host, actual)
+                self._hub.spawn(sub.serve, self._links.accept, self._hub.tg)
+        log.info("%s: listening on %s:%d", self.name, host, actual)
         return actual
 
     def add_route(self, peer: str, host: str, port: int) -> None:
         """Dial ``peer`` at ``host:port`` (now, and whenever its connection drops)."""
-        _check_name("peer", peer)
-        if peer == self._name:
+        check_name("peer", peer)
+        if peer == self.name:
             raise ConfigError("a channel cannot route to itself")
         if not isinstance(host, str) or not host:
             raise ConfigError("host must be a non-empty str")
         if type(port) is not int or not 0 < port < 1 << 16:
             raise ConfigError(f"port must be an int in [1, 65535], got {port!r}")
-        if self._state is _CLOSED:
+        if self._hub.state is CLOSED:
             raise ChannelClosed("the channel is closed")
-        p = self._peers.get(peer)
+        p = self._peers.by_name.get(peer)
         if p is None:
-            p = self._new_peer(peer, (host, port))
+            self._peers.add(peer, (host, port))
         else:
             p.route = (host, port)
             p.notify_conn()
@@ -388,165 +367,34 @@ class ControlChannel(_Links):
 
     def statistics(self) -> ChannelStatistics:
         """A frozen snapshot of the counters."""
-        peers = {
-            p.name: PeerStatistics(
-                connected=p.active is not None,
-                up=p.up,
-                route=p.route,
-                queued=len(p.outbox),
-                queued_bytes=p.outbox.nbytes,
-                sent=p.sent,
-                received=p.received,
-                dropped_old=p.outbox.dropped_old,
-                discarded=p.outbox.discarded,
-                write_failures=p.write_failures,
-                garbage=p.garbage,
-                connects=p.connects,
-                reconnects=max(0, p.connects - 1),
-                connect_failures=p.connect_failures,
-            )
-            for p in self._peers.values()
-        }
-        events = 0
-        if self._events_send is not None:
-            events = self._events_send.statistics().current_buffer_used
+        hub, adm = self._hub, self._links.admission
+        peers = {p.name: p.statistics() for p in self._peers.by_name.values()}
+        events = 0 if hub.events is None else hub.events.statistics().current_buffer_used
         return ChannelStatistics(
-            name=self._name,
-            open=self._state is _OPEN,
+            name=hub.name,
+            open=hub.state is OPEN,
             ports=tuple(self._ports),
             peers=MappingProxyType(peers),
-            handshake_failures=self._handshake_failures,
-            handshake_refusals=MappingProxyType(dict(self._admission.refused)),
-            handshakes_waiting=len(self._admission.slots),
-            handshakes_waiting_peak=self._admission.peak,
+            handshake_failures=sum(adm.refused.values()),
+            handshake_refusals=MappingProxyType(dict(adm.refused)),
+            handshakes_waiting=len(adm.slots),
+            handshakes_waiting_peak=adm.peak,
             garbage=self._garbage,
-            discarded=self._discarded,
+            discarded=self._peers.discarded,
             events_queued=events,
         )
 
-    # --- peers ------------------------------------------------------------------------
-
-    def _sendable(self, peer: str) -> _Peer:
-        if self._state is not _OPEN:
+    def _sendable(self, peer: str) -> Peer:
+        if self._hub.state is not OPEN:
             raise ChannelClosed("the channel is not open")
-        p = self._peers.get(peer)
+        p = self._peers.by_name.get(peer)
         if p is None:
             raise PeerUnreachable(f"no connection to {peer!r} and no route to it")
         return p
 
-    def _new_peer(self, name: str, route: tuple[str, int] | None) -> _Peer:
-        p = _Peer(name, route, _Outbox(self._max_queue, self._max_queue_bytes))
-        self._peers[name] = p
-        if self._state is _OPEN:
-            self._spawn_peer(p)
-        return p
+    # --- per-peer task: dial (through the links), then drain the queue ---------------
 
-    def _spawn_peer(self, p: _Peer) -> None:
-        self._tg().start_soon(self._run_peer, p, name=f"kvpush channel {self._name}->{p.name}")
-
-    def _forget(self, p: _Peer) -> None:
-        p.forgotten = True
-        if self._peers.get(p.name) is p:
-            del self._peers[p.name]
-        self._discarded += p.outbox.close(PeerUnreachable, f"peer {p.name!r} was lost")
-        if p.task_scope is not None:
-            p.task_scope.cancel()
-        p.notify_conn()
-
-    def _lose(self, p: _Peer, reason: str, *, forget: bool) -> PeerLost:
-        p.up = False
-        n = p.outbox.clear()
-        log.warning("%s: peer %s lost (%s); %d frame(s) discarded", self._name, p.name, reason, n)
-        if forget and p.route is None:
-            self._forget(p)
-        return PeerLost(p.name, reason)
-
-    def _install(self, p: _Peer, conn: _Conn) -> list[ChannelEvent]:
-        """Make ``conn`` the peer's connection (closing any other); the events to emit."""
-        events: list[ChannelEvent] = []
-        old = p.active
-        p.active = conn
-        if old is not None:
-            self._drop(p, old, "replaced")
-        if p.up and p.instance is not None and p.instance != conn.instance:
-            events.append(self._lose(p, "peer restarted", forget=False))
-        p.instance = conn.instance
-        p.last_conn_id = conn.conn_id
-        p.gen += 1
-        p.loss_armed = False
-        if p.loss_scope is not None:
-            p.loss_scope.cancel()
-            p.loss_scope = None
-        p.connects += 1
-        if not p.up:
-            p.up = True
-            events.append(PeerConnected(p.name))
-        log.info("%s: connected to %s (connection %#x)", self._name, p.name, conn.conn_id)
-        p.notify_conn()
-        return events
-
-    def _drop(self, p: _Peer, conn: _Conn, reason: str) -> None:
-        """Close ``conn``; if it was the peer's connection, the peer is down."""
-        if conn.closed:
-            return
-        conn.closed = True
-        conn.scope.cancel()
-        self._close_soon(conn.stream)
-        if p.active is not conn:
-            return
-        p.active = None
-        p.down_reason = reason
-        if self._state is not _OPEN:
-            return
-        log.info("%s: connection to %s dropped: %s", self._name, p.name, reason)
-        p.notify_conn()
-        if p.up and not p.loss_armed:
-            p.loss_armed = True
-            self._tg().start_soon(self._watch_loss, p, p.gen)
-
-    async def _watch_loss(self, p: _Peer, gen: int) -> None:
-        if p.gen != gen:
-            return
-        with anyio.CancelScope() as scope:
-            p.loss_scope = scope
-            await anyio.sleep(self._peer_lost_after)
-        if p.gen != gen or p.loss_scope is not scope:
-            return
-        p.loss_scope = None
-        p.loss_armed = False
-        if p.active is not None or not p.up:
-            return
-        await self._emit(self._lose(p, p.down_reason, forget=True))
-
-    async def _emit(self, event: ChannelEvent) -> None:
-        if self._events_send is None:
-            return
-        try:
-            await self._events_send.send(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            log.debug("%s: event dropped (events closed): %r", self._name, event)
-
-    def _close_soon(self, stream: anyio.abc.SocketStream) -> None:
-        if self._state is _OPEN and self._inner is not None:
-            self._inner.start_soon(self._close_now, stream)
-        # Otherwise aclose() closes every socket in self._sockets.
-
-    async def _close_now(self, stream: anyio.abc.SocketStream) -> None:
-        self._sockets.discard(stream)
-        await anyio.aclose_forcefully(stream)
-
-    def _tune(self, stream: anyio.abc.SocketStream) -> None:
-        sock = stream.extra(SocketAttribute.raw_socket, None)
-        if sock is None:  # pragma: no cover - TCP streams have one
-            return
-        opt = getattr(socket, "TCP_USER_TIMEOUT", None)
-        if opt is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, opt, max(1, round(self._max_age * 1000)))
-
-    # --- per-peer task: dial (see _channel_links), then drain the queue ---------------
-
-    async def _run_peer(self, p: _Peer) -> None:
+    async def _run_peer(self, p: Peer) -> None:
         with anyio.CancelScope() as scope:
             p.task_scope = scope
             while not p.forgotten:
@@ -554,13 +402,13 @@ class ControlChannel(_Links):
                 if conn is not None:
                     await self._drain(p, conn)
                 elif p.route is not None:
-                    await self._connect(p)
+                    await self._links.connect(p)
                 else:
                     changed = p.conn_changed.waiter()
                     if p.active is None and p.route is None and not p.forgotten:
                         await changed.wait()
 
-    async def _drain(self, p: _Peer, conn: _Conn) -> None:
+    async def _drain(self, p: Peer, conn: Conn) -> None:
         while p.active is conn:
             wake = p.wake.waiter()
             frames = p.outbox.take(anyio.current_time(), self._max_age)
@@ -574,25 +422,26 @@ class ControlChannel(_Links):
                         await conn.stream.send(payload)
             except TimeoutError:
                 reason = f"write stalled for {self._write_timeout} s"
-            except _NET_ERRORS as exc:
+            except NET_ERRORS as exc:
                 reason = f"write failed: {exc!r}"
             else:
                 p.sent += len(frames)
                 continue
             p.write_failures += len(frames)
-            self._drop(p, conn, reason)
+            self._peers.drop(p, conn, reason)
 
-    # --- reading ----------------------------------------------------------------------
+    # --- per-connection task: read until the connection ends -------------------------
 
-    async def _read_loop(self, p: _Peer, conn: _Conn, events: list[ChannelEvent]) -> None:
+    async def _read_loop(self, p: Peer, conn: Conn, events: list[ChannelEvent]) -> None:
         """Emit ``events`` (the install's), then deliver frames until the connection ends."""
+        emit = self._hub.emit
         reason = "closed by peer"
         framing: FramingError | None = None
         limit = self._codec.limits.max_frame_bytes
         try:
             # Outside conn.scope: these are emitted even if the connection dies at once.
             for event in events:
-                await self._emit(event)
+                await emit(event)
             with conn.scope:
                 while True:
                     if self._idle_timeout is None:
@@ -603,11 +452,10 @@ class ControlChannel(_Links):
                     try:
                         message = self._codec.decode(frame)
                     except RemoteProtocolError as exc:
-                        self._count_garbage(p, exc)
-                        await self._emit(Garbage(p.name, exc))
+                        await emit(self._garbage_from(p, exc))
                         continue
                     p.received += 1
-                    await self._emit(Received(p.name, message))
+                    await emit(Received(p.name, message))
         except FramingError as exc:
             framing = exc
             reason = f"framing error: {exc}"
@@ -615,15 +463,15 @@ class ControlChannel(_Links):
             reason = f"nothing received for {self._idle_timeout} s"
         except (anyio.EndOfStream, anyio.IncompleteRead):
             reason = "closed by peer"
-        except _NET_ERRORS as exc:
+        except NET_ERRORS as exc:
             reason = f"connection error: {exc!r}"
         finally:
-            self._drop(p, conn, reason)
+            self._peers.drop(p, conn, reason)
         if framing is not None:
-            self._count_garbage(p, framing)
-            await self._emit(Garbage(p.name, framing))
+            await emit(self._garbage_from(p, framing))
 
-    def _count_garbage(self, p: _Peer, exc: RemoteProtocolError) -> None:
+    def _garbage_from(self, p: Peer, exc: RemoteProtocolError) -> Garbage:
         p.garbage += 1
         self._garbage += 1
-        log.warning("%s: garbage from %s: %s", self._name, p.name, exc)
+        log.warning("%s: garbage from %s: %s", self.name, p.name, exc)
+        return Garbage(p.name, exc)

@@ -1,15 +1,16 @@
 """The control channel's connection set-up: dialing a peer and accepting a
 peer's dial, each opened by the preamble exchange of :mod:`._framing`.
 
-A mixin of :class:`~kvpush.runtime.ControlChannel` (its module docs give the
-rules: at most one connection per peer, the smaller name's dial wins a race,
-a dial replaces a live connection only if it names it or comes from a new
-instance). Kept apart so each module reads in one sitting; the attributes
-and methods declared below belong to :class:`ControlChannel`.
+:class:`Links` does both for :class:`~kvpush.runtime.ControlChannel`, which
+owns it (its module docs give the rules: at most one connection per peer, the
+smaller name's dial wins a race, a dial replaces a live connection only if it
+names it or comes from a new instance). A connection that passes is installed
+in the channel's :class:`~._channel_peer.Peers` and handed to the channel's
+reader.
 
 Admission. Before its preamble a connection is nobody's, and anyone who
 reaches the port can open one, so what it may hold is bounded in count and
-time (:class:`_Admission`): at most ``max_handshakes`` connections wait for
+time (:class:`Admission`): at most ``max_handshakes`` connections wait for
 their preamble at once, at most ``max_handshakes_per_source`` from one source
 address, each for at most ``preamble_timeout`` seconds. A new connection is
 never refused for want of room: the *oldest* waiting one of its source makes
@@ -29,7 +30,9 @@ import logging
 import random
 import secrets
 from collections import Counter
-from typing import Final
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -39,7 +42,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from kvpush.protocol import AuthenticationError, Codec, RemoteProtocolError
 
-from ._channel_peer import _Conn, _Peer
+from ._channel_peer import NET_ERRORS, Conn, Hub, Peer, Peers
 from ._channel_types import Backoff, ChannelEvent
 from ._framing import (
     MAX_HANDSHAKE_BYTES,
@@ -51,6 +54,9 @@ from ._framing import (
     unseal,
     write_frame,
 )
+
+#: The interface the channel uses (the package exports none of it).
+__all__ = ("REFUSALS", "Admission", "Links", "Slot")
 
 log = logging.getLogger("kvpush.runtime.channel")
 
@@ -74,52 +80,38 @@ REFUSALS: Final = (
     "own_name",
 )
 
-_NET_ERRORS = (
-    OSError,  # includes TimeoutError
-    anyio.EndOfStream,
-    anyio.IncompleteRead,
-    anyio.BrokenResourceError,
-    anyio.ClosedResourceError,
-)
 
-_NEW, _OPEN, _CLOSED = "new", "open", "closed"
-
-
-class _Slot:
+@dataclass(eq=False, slots=True)
+class Slot:
     """One accepted connection waiting for its preamble."""
 
-    __slots__ = ("evicted", "scope", "source")
-
-    def __init__(self, source: str, scope: anyio.CancelScope) -> None:
-        self.source = source
-        #: Cancelled at the preamble deadline, or to evict the connection.
-        self.scope = scope
-        self.evicted = ""
+    source: str
+    #: Cancelled at the preamble deadline, or to evict the connection.
+    scope: anyio.CancelScope
+    evicted: str = ""
 
 
-class _Admission:
+@dataclass(eq=False, repr=False)
+class Admission:
     """The connections waiting for their preamble, bounded per source and in
     all (see the module docs), and the rate-limited log of refusals."""
 
-    def __init__(
-        self, name: str, total: int, per_source: int, timeout: float, log_interval: float
-    ) -> None:
-        self.name = name
-        self.total = total
-        self.per_source = per_source
-        self.timeout = timeout
-        self.log_interval = log_interval
-        #: Every waiting slot, oldest first; and per source, oldest first.
-        self.slots: dict[_Slot, None] = {}
-        self.by_source: dict[str, dict[_Slot, None]] = {}
-        #: Refusals ever, by reason; and those not yet logged.
-        self.refused: Counter[str] = Counter()
-        self.unlogged: Counter[str] = Counter()
-        self.next_log = -1.0
-        self.flush_armed = False
-        self.peak = 0
+    hub: Hub
+    total: int
+    per_source: int
+    timeout: float
+    log_interval: float
+    #: Every waiting slot, oldest first; and per source, oldest first.
+    slots: dict[Slot, None] = field(default_factory=dict)
+    by_source: dict[str, dict[Slot, None]] = field(default_factory=dict)
+    #: Refusals ever, by reason; and those not yet logged.
+    refused: Counter[str] = field(default_factory=Counter)
+    unlogged: Counter[str] = field(default_factory=Counter)
+    next_log: float = -1.0
+    flush_armed: bool = False
+    peak: int = 0
 
-    def enter(self, source: str, now: float) -> _Slot:
+    def enter(self, source: str, now: float) -> Slot:
         """A slot for a connection from ``source`` (making room first)."""
         mine = self.by_source.setdefault(source, {})
         if len(mine) >= self.per_source:
@@ -128,18 +120,18 @@ class _Admission:
             most = max(len(v) for v in self.by_source.values())
             oldest = next(s for s in self.slots if len(self.by_source[s.source]) == most)
             self.evict(oldest, "evicted_full")
-        slot = _Slot(source, anyio.CancelScope(deadline=now + self.timeout))
+        slot = Slot(source, anyio.CancelScope(deadline=now + self.timeout))
         mine[slot] = None
         self.slots[slot] = None
         self.peak = max(self.peak, len(self.slots))
         return slot
 
-    def evict(self, slot: _Slot, reason: str) -> None:
+    def evict(self, slot: Slot, reason: str) -> None:
         slot.evicted = reason
         self.leave(slot)
         slot.scope.cancel()
 
-    def leave(self, slot: _Slot) -> None:
+    def leave(self, slot: Slot) -> None:
         """Free the slot (no-op if it was evicted already)."""
         if slot not in self.slots:
             return
@@ -149,11 +141,23 @@ class _Admission:
         if not mine:
             del self.by_source[slot.source]
 
-    def refuse(self, reason: str, now: float) -> bool:
-        """Count a refusal; whether to log now (else a flush is due later)."""
+    def refuse(self, reason: str) -> None:
+        """Count a refusal; log it now, or with the next line of counts."""
+        now = anyio.current_time()
         self.refused[reason] += 1
         self.unlogged[reason] += 1
-        return now >= self.next_log
+        if now >= self.next_log:
+            self.log_line(now)
+        elif not self.flush_armed and self.hub.open:
+            self.flush_armed = True
+            self.hub.spawn(self._flush)
+
+    async def _flush(self) -> None:
+        try:
+            await anyio.sleep(max(0.0, self.next_log - anyio.current_time()))
+        finally:
+            self.flush_armed = False
+        self.log_line(anyio.current_time())
 
     def log_line(self, now: float) -> None:
         """Log the refusals not yet logged, as one line."""
@@ -163,7 +167,7 @@ class _Admission:
         why = ", ".join(f"{k} {v}" for k, v in sorted(self.unlogged.items()))
         log.warning(
             "%s: refused %d connection(s) before their preamble (%s); %d waiting now",
-            self.name,
+            self.hub.name,
             n,
             why,
             len(self.slots),
@@ -172,47 +176,24 @@ class _Admission:
         self.next_log = now + self.log_interval
 
 
-class _Links:
+@dataclass(eq=False, repr=False)
+class Links:
     """Dial and accept (see the module docs)."""
 
-    # --- ControlChannel's state and helpers that set-up uses -------------------------
-
-    _name: str
-    _codec: Codec
-    _instance: int
-    _state: str
-    _peers: dict[str, _Peer]
-    _sockets: set[anyio.abc.SocketStream]
-    _admission: _Admission
-    _handshake_failures: int
-    _connect_timeout: float
-    _backoff: Backoff
-    _rng: random.Random
-
-    def _tg(self) -> anyio.abc.TaskGroup:
-        raise NotImplementedError
-
-    def _tune(self, stream: anyio.abc.SocketStream) -> None:
-        raise NotImplementedError
-
-    async def _close_now(self, stream: anyio.abc.SocketStream) -> None:
-        raise NotImplementedError
-
-    def _new_peer(self, name: str, route: tuple[str, int] | None) -> _Peer:
-        raise NotImplementedError
-
-    def _install(self, p: _Peer, conn: _Conn) -> list[ChannelEvent]:
-        raise NotImplementedError
-
-    def _drop(self, p: _Peer, conn: _Conn, reason: str) -> None:
-        raise NotImplementedError
-
-    async def _read_loop(self, p: _Peer, conn: _Conn, events: list[ChannelEvent]) -> None:
-        raise NotImplementedError
+    hub: Hub
+    peers: Peers
+    #: The channel's reader: emits the install's events, then reads until the end.
+    read: Callable[[Peer, Conn, list[ChannelEvent]], Coroutine[Any, Any, None]]
+    codec: Codec
+    connect_timeout: float
+    backoff: Backoff
+    admission: Admission
+    instance: int = field(default_factory=lambda: secrets.randbits(64))
+    rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
 
     # --- dialing -----------------------------------------------------------------------
 
-    async def _connect(self, p: _Peer) -> None:
+    async def connect(self, p: Peer) -> None:
         """Dial until the peer is connected (by us or by its own dial)."""
         attempt = 0
         while p.active is None and p.route is not None and not p.forgotten:
@@ -220,34 +201,34 @@ class _Links:
             if await self._dial(p, p.route):
                 return
             # ``changed`` is already set if the peer's own dial won meanwhile.
-            with anyio.move_on_after(self._backoff.delay(attempt, self._rng)):
+            with anyio.move_on_after(self.backoff.delay(attempt, self.rng)):
                 await changed.wait()
             attempt += 1
 
-    async def _dial(self, p: _Peer, route: tuple[str, int]) -> bool:
+    async def _dial(self, p: Peer, route: tuple[str, int]) -> bool:
+        hub = self.hub
         conn_id = secrets.randbits(64) | 1
-        pre = Preamble(self._name, self._instance, conn_id, p.last_conn_id)
+        pre = Preamble(hub.name, self.instance, conn_id, p.last_conn_id)
         p.pending = conn_id
         stream: anyio.abc.SocketStream | None = None
         try:
-            with anyio.fail_after(self._connect_timeout):
+            with anyio.fail_after(self.connect_timeout):
                 stream = await anyio.connect_tcp(*route)
-                self._sockets.add(stream)
-                self._tune(stream)
+                hub.adopt(stream)
                 receiver = BufferedByteReceiveStream(stream)
-                await write_frame(stream, seal(pre.encode(), self._codec))
+                await write_frame(stream, seal(pre.encode(), self.codec))
                 frame = await read_frame(receiver, max_frame_bytes=MAX_HANDSHAKE_BYTES)
-                ack = Ack.decode(unseal(frame, self._codec))
-        except (*_NET_ERRORS, RemoteProtocolError) as exc:
+                ack = Ack.decode(unseal(frame, self.codec))
+        except (*NET_ERRORS, RemoteProtocolError) as exc:
             p.connect_failures += 1
-            log.debug("%s: dial %s at %s:%d failed: %r", self._name, p.name, *route, exc)
+            log.debug("%s: dial %s at %s:%d failed: %r", hub.name, p.name, *route, exc)
             if stream is not None:
-                await self._close_now(stream)
+                await hub.close_now(stream)
             return False
         except BaseException:
             if stream is not None:
                 with anyio.CancelScope(shield=True):
-                    await self._close_now(stream)
+                    await hub.close_now(stream)
             raise
         finally:
             if p.pending == conn_id:
@@ -256,131 +237,112 @@ class _Links:
             p.connect_failures += 1
             log.warning(
                 "%s: %s:%d answered as %r (connection %#x), not %r",
-                self._name,
+                hub.name,
                 *route,
                 ack.name,
                 ack.conn_id,
                 p.name,
             )
-            await self._close_now(stream)
+            await hub.close_now(stream)
             return False
-        if p.active is not None or p.forgotten or self._state is not _OPEN:
-            await self._close_now(stream)  # the peer's own dial won meanwhile
+        if p.active is not None or p.forgotten or not hub.open:
+            await hub.close_now(stream)  # the peer's own dial won meanwhile
             return False
-        conn = _Conn(stream, receiver, conn_id, ack.instance)
-        self._tg().start_soon(self._read_loop, p, conn, self._install(p, conn))
+        conn = Conn(stream, receiver, conn_id, ack.instance)
+        hub.spawn(self.read, p, conn, self.peers.install(p, conn))
         return True
 
     # --- accepting --------------------------------------------------------------------
 
-    async def _accept_loop(self, listener: anyio.abc.SocketListener) -> None:
+    async def accept_loop(self, listener: anyio.abc.SocketListener) -> None:
         while True:
             try:
                 stream = await listener.accept()
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
             except OSError as exc:  # out of descriptors and the like: keep serving
-                log.warning("%s: accept failed: %r", self._name, exc)
+                log.warning("%s: accept failed: %r", self.hub.name, exc)
                 await anyio.sleep(0.1)
                 continue
-            if self._state is not _OPEN:
-                await self._close_now(stream)
+            if not self.hub.open:
+                await self.hub.close_now(stream)
                 return
-            self._tg().start_soon(self._on_accept, stream)
+            self.hub.spawn(self.accept, stream)
             # Let the connections accepted so far read their preamble before
             # the next accept can evict them (a backlog drains one per turn).
             await anyio.lowlevel.checkpoint()
 
-    async def _on_accept(self, stream: anyio.abc.SocketStream) -> None:
-        self._sockets.add(stream)
-        adm = self._admission
+    async def accept(self, stream: anyio.abc.SocketStream) -> None:
+        """One accepted connection, from its preamble to its end."""
+        hub, adm = self.hub, self.admission
+        hub.adopt(stream)
         slot = adm.enter(_source(stream), anyio.current_time())
         frame: bytes | None = None
         hello: Preamble | None = None
         reason = ""
         try:
-            self._tune(stream)
             receiver = BufferedByteReceiveStream(stream)
             with slot.scope:
                 frame = await read_frame(receiver, max_frame_bytes=MAX_HANDSHAKE_BYTES)
             if frame is None:
                 reason = slot.evicted or "timeout"
             else:
-                hello = Preamble.decode(unseal(frame, self._codec))
+                hello = Preamble.decode(unseal(frame, self.codec))
         except AuthenticationError:
             reason = "unauthenticated"
         except (FramingError, RemoteProtocolError):
             reason = "malformed"
-        except _NET_ERRORS:
+        except NET_ERRORS:
             reason = "closed"
         finally:
             adm.leave(slot)
         if hello is None:
-            self._refuse(reason)
-            await self._close_now(stream)
+            adm.refuse(reason)
+            await hub.close_now(stream)
             return
         admitted = self._admit(hello, stream, receiver)
         if admitted is None:
-            await self._close_now(stream)
+            await hub.close_now(stream)
             return
         p, conn, events = admitted
         try:
-            with anyio.fail_after(self._connect_timeout):
-                ack = Ack(self._name, self._instance, hello.conn_id).encode()
-                await write_frame(stream, seal(ack, self._codec))
-        except _NET_ERRORS as exc:
-            self._drop(p, conn, f"ack failed: {exc!r}")
+            with anyio.fail_after(self.connect_timeout):
+                ack = Ack(hub.name, self.instance, hello.conn_id).encode()
+                await write_frame(stream, seal(ack, self.codec))
+        except NET_ERRORS as exc:
+            self.peers.drop(p, conn, f"ack failed: {exc!r}")
         finally:
             conn.lock.release()
-        await self._read_loop(p, conn, events)
+        await self.read(p, conn, events)
 
     def _admit(
         self,
         hello: Preamble,
         stream: anyio.abc.SocketStream,
         receiver: BufferedByteReceiveStream,
-    ) -> tuple[_Peer, _Conn, list[ChannelEvent]] | None:
+    ) -> tuple[Peer, Conn, list[ChannelEvent]] | None:
         """Decide on a dialed connection; if accepted, install it (write lock held)."""
-        name = hello.name
-        if self._state is not _OPEN:
+        name, me = hello.name, self.hub.name
+        if not self.hub.open:
             return None
-        if name == self._name:
-            self._refuse("own_name")
+        if name == me:
+            self.admission.refuse("own_name")
             return None
-        p = self._peers.get(name)
+        p = self.peers.by_name.get(name)
         if p is not None:
             a = p.active
             if a is not None:
                 if a.instance == hello.instance and hello.supersedes != a.conn_id:
-                    log.debug("%s: refused a duplicate connection from %s", self._name, name)
+                    log.debug("%s: refused a duplicate connection from %s", me, name)
                     return None
-            elif p.pending is not None and self._name < name:
-                log.debug("%s: refused %s's dial (ours wins)", self._name, name)
+            elif p.pending is not None and me < name:
+                log.debug("%s: refused %s's dial (ours wins)", me, name)
                 return None
         else:
-            p = self._new_peer(name, None)
-        conn = _Conn(stream, receiver, hello.conn_id, hello.instance)
+            p = self.peers.add(name, None)
+        conn = Conn(stream, receiver, hello.conn_id, hello.instance)
         conn.lock.acquire_nowait()  # the ack goes first
-        return p, conn, self._install(p, conn)
-
-    # --- refusals, counted and logged at a bounded rate -----------------------------
-
-    def _refuse(self, reason: str) -> None:
-        self._handshake_failures += 1
-        adm, now = self._admission, anyio.current_time()
-        if adm.refuse(reason, now):
-            adm.log_line(now)
-        elif not adm.flush_armed and self._state is _OPEN:
-            adm.flush_armed = True
-            self._tg().start_soon(self._flush_refusals)
-
-    async def _flush_refusals(self) -> None:
-        adm = self._admission
-        try:
-            await anyio.sleep(max(0.0, adm.next_log - anyio.current_time()))
-        finally:
-            adm.flush_armed = False
-        adm.log_line(anyio.current_time())
+        return p, conn, self.peers.install(p, conn)
 
 
 def _source(stream: anyio.abc.SocketStream) -> str:

@@ -57,8 +57,8 @@ class Backoff:
     jitter: float = 0.1
 
     def __post_init__(self) -> None:
-        _positive("backoff initial", self.initial)
-        _positive("backoff maximum", self.maximum)
+        positive("backoff initial", self.initial)
+        positive("backoff maximum", self.maximum)
         if self.maximum < self.initial:
             raise ConfigError("backoff maximum must be >= initial")
         if not isinstance(self.factor, (int, float)) or not 1 <= self.factor < math.inf:
@@ -163,15 +163,15 @@ class ChannelStatistics:
     events_queued: int
 
 
-def _positive(name: str, value: object) -> None:
+# --- validation the channel shares (not exported) -----------------------------------
+
+
+def positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
 
 
-def _check_name(what: str, name: object) -> str:
+def check_name(what: str, name: object) -> str:
     if not isinstance(name, str) or not name or len(name.encode()) > MAX_ID_LEN:
         raise ConfigError(f"{what} must be a non-empty str of at most {MAX_ID_LEN} bytes")
     return name
-
-
-# --- internals ------------------------------------------------------------------------

@@ -44,9 +44,9 @@ from kvpush.protocol import (
     Source,
     StartRead,
     StartWrite,
-    TransferPlanner,
 )
 
+from ._plan import TransferPlanner
 from ._transport import PreppedTransport, Transport
 
 __all__ = ("DataPlane", "NoticeIn", "OpResult", "PeerRanks", "Rank")

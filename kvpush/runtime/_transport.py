@@ -1,12 +1,15 @@
 """The data-plane transport interface the runtime drives (one object per rank).
 
-Implementations: :class:`~kvpush.runtime.ShmTransport` (shared memory, two
-processes on one machine; the embedded default) and the NIXL adapter
-(``kvpush_nixl``). The runtime calls every method from ONE thread (its
-background writer thread), so implementations need no locking of their own.
+Implementations live a layer up, each in its own package, and register
+themselves under the ``kvpush.transports`` entry-point group
+(:func:`~kvpush.runtime.transport_kind`): ``shm``,
+:class:`~kvpush.shm.ShmTransport` (shared memory, processes on one machine)
+and ``nixl``, the NIXL adapter (``kvpush_nixl``). The runtime calls every
+method from ONE thread (its background writer thread), so implementations
+need no locking of their own.
 
 Descriptors are the planner's ``(N, 3)`` uint64 arrays of ``(address, length,
-device id)`` rows (:class:`~kvpush.protocol.TransferPlan`). Completion notices
+device id)`` rows (:class:`~kvpush.runtime.TransferPlan`). Completion notices
 are opaque bytes (the codec's compact :class:`~kvpush.protocol.Completion`
 encoding) that travel *with* the data: a notice is delivered to the target
 only after the bytes of its transfer are visible there.
@@ -114,10 +117,10 @@ class PreppedTransport(Transport, Protocol):
     once per (peer, route): NIXL's ``prep_xfer_dlist`` / ``make_prepped_xfer``.
 
     The data plane prepares a route's lists the first time it posts on it
-    (:meth:`~kvpush.protocol.TransferPlanner.prepped`, one row per unmerged
+    (:meth:`~kvpush.runtime.TransferPlanner.prepped`, one row per unmerged
     piece of every block) and forgets them when the peer's metadata is
     replaced; each transfer then passes
-    :meth:`~kvpush.protocol.TransferPlan.indices`. Which of the two ways a
+    :meth:`~kvpush.runtime.TransferPlan.indices`. Which of the two ways a
     given plan goes is the transport's call (:meth:`prefers_prepped`), from
     what it measured.
     """

@@ -13,7 +13,15 @@ from ._fleet import MODES
 from ._params import Scenario, ScenarioError, load_scenario
 from ._run import Row, simulate
 
-__all__ = ("add_arguments", "parse_list", "parse_tokens", "run")
+__all__ = ("DESCRIPTION", "HELP", "add_arguments", "parse_list", "parse_tokens", "run")
+
+# The ``simulate`` entry of the ``kvpush.commands`` registry (pyproject.toml).
+HELP = "simulate a P/D fleet (pull, push, bg-pull) on the real protocol core"
+DESCRIPTION = (
+    "Discrete-event model of prefill and decode instances, links and a "
+    "router, with the real kvpush producer and consumer on a simulated clock; prints "
+    "TTFT and TPOT per mode, QPS and input length (docs/simulation.md)."
+)
 
 
 def parse_tokens(text: str) -> int:

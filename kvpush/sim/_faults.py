@@ -61,7 +61,6 @@ class FaultInjector:
         victims = list(p.queue) + ([p.current] if p.current else [])
         p.queue.clear()
         p.current = None
-        p.queued_tokens = 0
         for r in victims:
             fleet.fail(r, "prefill_died")
         fleet.links.fail_all(p.nic)

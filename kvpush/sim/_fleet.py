@@ -29,10 +29,11 @@ from kvpush.protocol import (
     StartRead,
     StartWrite,
 )
+from kvpush.routing import Ledger
 
 from ._events import EventLoop
 from ._instances import DecodeInstance, PrefillInstance
-from ._link import Links
+from ._link import Fabric
 from ._params import Scenario
 from ._request import Request
 
@@ -67,7 +68,7 @@ class Fleet:
         self.rng = random.Random(f"{seed}/fleet")
         self.loop = EventLoop()
         hw, ctl = scenario.hardware, scenario.control
-        self.links = Links(self.loop, hw.transfer_latency_us / 1e6)
+        self.links = Fabric(self.loop, hw.transfer_latency_us / 1e6)
         self.ctl_latency = ctl.control_latency_ms / 1e3
         #: The transport's bound on a posted op (the core's Timing.op_bound).
         self.op_bound = ProducerConfig(self._identity("p", 1)).timing.op_bound
@@ -81,6 +82,8 @@ class Fleet:
         #: Integrity, checked by the simulator itself (not by the core).
         self.landed: dict[tuple[str, int], int] = {}
         self.owner: list[dict[int, tuple[str, int]]] = []
+        #: The router's loads (no capacity: it does not know the pools).
+        self.ledger = Ledger(scenario.fleet.prefill, scenario.fleet.decode)
         self._reads: dict[tuple[str, int], list[StartRead]] = {}
         kv_blocks = hw.kv_blocks(self.model)
         self.prefills = [
@@ -144,21 +147,20 @@ class Fleet:
     # --- the router --------------------------------------------------------------------
 
     def arrive(self, r: Request) -> None:
-        alive = [p for p in self.prefills if p.alive]
-        if not alive:
-            self.fail(r, "no_prefill")
-            return
-        p = min(alive, key=lambda p: (p.queued_tokens, p.index))
-        r.prefill = p.index
-        p.queued_tokens += r.input_tokens  # the router's view: sent, not yet done
+        """Route ``r`` as ``kvpush router`` does (:mod:`kvpush.routing`): both
+        instances are charged its blocks until their leg ends. Like that router,
+        this one does not know which instances are alive."""
+        choice = self.ledger.acquire(self.model.blocks(r.input_tokens))
+        assert choice is not None  # no capacity: there is always a pick
+        r.prefill, r.decode = choice.prefill, choice.decode
+        p = self.prefills[r.prefill]
         leg = self.hop + self.frontend + self.tokenize_s(r.input_tokens)
         self.loop.after(leg, lambda: p.submit(r) if p.alive else self.fail(r, "prefill_died"))
         if not self.sequential:
             self._dispatch_decode(r, leg)
 
     def _dispatch_decode(self, r: Request, delay: float) -> None:
-        d = min(self.decodes, key=lambda d: (d.load, d.index))
-        r.decode = d.index
+        d = self.decodes[r.decode]
         d.requests[r.tid] = r
         self.loop.after(delay, lambda: self.admit(d, r))
 
@@ -167,6 +169,7 @@ class Fleet:
         if r.ended:
             p.pool.give(blocks)
             return
+        self.ledger.release_prefill(p.index, self.model.blocks(r.input_tokens))  # P answered
         p.producer.kv_ready(self.loop.now, r.tid, (blocks,))
         self.touch_p(p)
         if self.sequential:  # the proxy hears P answer, then calls D
@@ -238,17 +241,18 @@ class Fleet:
             return
         r.failed = reason
         self.count(f"failed_{reason}")
-        if r.decode >= 0:
-            d = self.decodes[r.decode]
-            d.pool.give(r.growth)
-            r.growth = ()
+        self.decodes[r.decode].pool.give(r.growth)
+        r.growth = ()
         self._end(r)
 
     def _end(self, r: Request) -> None:
         r.ended = True
         self.ended += 1
-        if r.decode >= 0:
-            self.decodes[r.decode].requests.pop(r.tid, None)
+        self.decodes[r.decode].requests.pop(r.tid, None)
+        blocks = self.model.blocks(r.input_tokens)
+        if r.kv_ready < 0:  # the prefill leg ends with the request
+            self.ledger.release_prefill(r.prefill, blocks)
+        self.ledger.release_decode(r.decode, blocks)
 
     # --- pumping the core ---------------------------------------------------------------
 

@@ -78,13 +78,12 @@ class PrefillInstance:
         self.thread = Thread()
         self.queue: deque[Request] = deque()
         self.current: Request | None = None
-        self.queued_tokens = 0
         self.alive = True
         self.timer_at: float | None = None
         self.busy_s = 0.0
 
     def submit(self, r: Request) -> None:
-        """``r`` arrives (the router counted it in ``queued_tokens`` already)."""
+        """``r`` arrives."""
         self.queue.append(r)
         self.kick()
 
@@ -94,7 +93,6 @@ class PrefillInstance:
             r = self.queue[0]
             if r.ended:  # cancelled by the router while queued
                 self.queue.popleft()
-                self.queued_tokens -= r.input_tokens
                 continue
             blocks = self.pool.take(fleet.model.blocks(r.input_tokens))
             if blocks is None:
@@ -110,7 +108,6 @@ class PrefillInstance:
         if self.current is not r:  # the instance died meanwhile
             return
         self.current = None
-        self.queued_tokens -= r.input_tokens
         self.fleet.prefill_done(self, r, blocks)
         self.kick()
 
@@ -142,10 +139,6 @@ class DecodeInstance:
         self._last: dict[int, list[Request]] = {}
         self.steps_s = 0.0
         self.stalled_s = 0.0
-
-    @property
-    def load(self) -> int:
-        return len(self.requests) + len(self.waiting)
 
     def on_loop(self, seconds: float, then: Callable[[], None]) -> None:
         """Queue ``seconds`` of work for the decode loop (it stalls every step)."""

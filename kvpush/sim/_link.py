@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 from ._events import EventLoop
 
-__all__ = ("Flow", "Links", "Nic")
+__all__ = ("Fabric", "Flow", "Nic")
 
 
 class Nic:
@@ -38,7 +38,7 @@ class Flow:
         self.version = 0
 
 
-class Links:
+class Fabric:
     """Starts flows, keeps their rates fair and fires ``done(ok)`` at the end."""
 
     def __init__(self, loop: EventLoop, latency: float) -> None:

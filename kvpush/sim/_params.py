@@ -19,7 +19,7 @@ from typing import Any
 __all__ = (
     "Control",
     "Faults",
-    "Fleet",
+    "FleetParams",
     "Hardware",
     "Model",
     "Scenario",
@@ -130,7 +130,7 @@ class Control:
 
 
 @dataclass(frozen=True, slots=True)
-class Fleet:
+class FleetParams:
     """Sizes and routing."""
 
     prefill: int
@@ -159,7 +159,7 @@ class Scenario:
     model: Model
     hardware: Hardware
     control: Control
-    fleet: Fleet
+    fleet: FleetParams
     faults: Faults
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -238,7 +238,7 @@ def load_scenario(name_or_path: str) -> Scenario:
         model=_build(Model, "model", raw.get("model")),
         hardware=_build(Hardware, "hardware", raw.get("hardware")),
         control=_build(Control, "control", raw.get("control")),
-        fleet=_build(Fleet, "fleet", raw.get("fleet")),
+        fleet=_build(FleetParams, "fleet", raw.get("fleet")),
         faults=_build(Faults, "faults", raw.get("faults", {})),
         sources=_sources(raw),
     )

@@ -28,11 +28,13 @@ from functools import partial
 from typing import Any
 
 from kvpush.protocol import Hello, HelloReject
+from kvpush.protocol._consumer import _Reservation
+from kvpush.protocol._producer import _Transfer
 
 from ._clone import clone_world
 from ._world import World, WorldConfig
 
-__all__ = ("ExploreResult", "explore")
+__all__ = ("ExploreResult", "explore", "main")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,44 +85,40 @@ def _peers_key(ep: Any) -> tuple[object, ...]:
     return (views, ep._stall_until)
 
 
-def _res_key(r: Any) -> tuple[object, ...]:
-    return (
-        r.transfer_id,
-        r.epoch,
-        r.state.name,
-        r.blocks,
-        r.mode.name,
-        sorted(repr(p) for p in r.done),
-        sorted(repr(p) for p in r.settled),
-        r.failed,
-        r.after_reads,
-        sorted((k.value, v) for k, v in r.timers.items()),
-        r.quarantine_at,
-        r.op_deadline,
-    )
+#: Fields of the endpoints' records left out of the state key, and why. Every
+#: other field is in it (``_record_key``), so a new one is keyed by default.
+_EXCLUDED: dict[type[Any], dict[str, str]] = {
+    _Reservation: {
+        "timeline": "history: timestamps reported to the caller, read by no decision",
+        "nblocks": "derived: the number of ids in blocks",
+        "topology": "derived: the handshake's topology, set when WAITING_PEER is left",
+        "total": "derived: topology.expected_total",
+    },
+    _Transfer: {
+        "timeline": "history: timestamps reported to the caller, read by no decision",
+    },
+}
 
 
-def _tx_key(t: Any) -> tuple[object, ...]:
-    return (
-        t.transfer_id,
-        t.state.name,
-        t.peer,
-        t.max_epoch,
-        t.src,
-        t.released,
-        repr(t.reg),
-        repr(t.pending),
-        t.withdrawn,
-        sorted(repr(p) for p in t.inflight),
-        t.write_failed,
-        sorted(t.owe),
-        t.ending,
-        sorted((k.value, v) for k, v in t.timers.items()),
-        t.hold_until,
-        t.op_deadline,
-        t.quarantine_at,
-        t.expires_at,
-    )
+#: The fields each record's state key holds, in declaration order.
+_KEY_FIELDS: dict[type[Any], tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls) if f.name not in skip)
+    for cls, skip in _EXCLUDED.items()
+}
+
+
+def _canon(value: object) -> object:
+    """``value`` with a deterministic repr (sets and dicts sorted)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(map(repr, value))
+    if isinstance(value, dict):
+        return sorted((repr(k), v) for k, v in value.items())
+    return value
+
+
+def _record_key(rec: Any) -> str:
+    """The canonical state of one record: every field not in ``_EXCLUDED``."""
+    return repr([_canon(getattr(rec, name)) for name in _KEY_FIELDS[type(rec)]])
 
 
 def _digest(node: _Node) -> bytes:
@@ -133,8 +131,8 @@ def _digest(node: _Node) -> bytes:
         sorted(repr((m.src, m.dst, m.message)) for m in w.net.queue),
         sorted(repr((op.action, op.landed)) for op in w.ops),
         sorted(repr(n) for n in w.notices),
-        sorted(_res_key(r) for r in w.consumer._res.values()),
-        sorted(_tx_key(t) for t in w.producer._tx.values()),
+        sorted(map(_record_key, w.consumer._res.values())),
+        sorted(map(_record_key, w.producer._tx.values())),
         sorted(w.live.items()),
         _peers_key(w.consumer),
         _peers_key(w.producer),
@@ -148,10 +146,10 @@ def _digest(node: _Node) -> bytes:
     return hashlib.blake2b(repr(state).encode(), digest_size=16).digest()
 
 
-Move = tuple[str, Callable[[_Node], None]]
+_Move = tuple[str, Callable[[_Node], None]]
 
 
-def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[Move]:
+def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
     w = node.world
     for tid in transfers:
         if tid not in node.reserved or tid in node.rereserve:
@@ -221,11 +219,11 @@ def _lose(node: _Node, index: int) -> None:
 
 #: How long an explored stall lasts (the timeouts are huge: it only matters
 #: that the stalled side reads what waited for it late, after ``stalled()``).
-STALL_GAP = 0.5
+_STALL_GAP = 0.5
 
 
 def _stall(node: _Node, who: str) -> None:
-    node.world.stall(who, STALL_GAP)
+    node.world.stall(who, _STALL_GAP)
     node.stalls_left -= 1
 
 
@@ -336,7 +334,7 @@ def _owner(node: _Node, label: str, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def _ample(node: _Node, moves: list[Move], names: tuple[str, ...]) -> list[Move]:
+def _ample(node: _Node, moves: list[_Move], names: tuple[str, ...]) -> list[_Move]:
     """Ample-set partial-order reduction over transfers.
 
     If some transfer's enabled moves are all *local* (delivering its messages,
@@ -352,7 +350,7 @@ def _ample(node: _Node, moves: list[Move], names: tuple[str, ...]) -> list[Move]
     per-transfer, so skipped orders of independent moves reach the same states
     through visited ones.
     """
-    by_owner: dict[str | None, list[Move]] = {}
+    by_owner: dict[str | None, list[_Move]] = {}
     for move in moves:
         by_owner.setdefault(_owner(node, move[0], names), []).append(move)
     for tid in names:

@@ -36,7 +36,10 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-if importlib.util.find_spec("vllm") is None:  # pragma: no cover - depends on the environment
+# tests/ is on sys.path (rootdir conftest), so this directory is itself a namespace
+# package "vllm" to find_spec: only a spec with a file (origin) is vLLM.
+_VLLM = importlib.util.find_spec("vllm")
+if _VLLM is None or _VLLM.origin is None:  # pragma: no cover - depends on the environment
     pytest.skip(
         "vLLM is not installed; install the CPU API with "
         "scripts/install-vllm-api.sh PYTHON (make test does)",

@@ -1,5 +1,10 @@
 """Merged transfer plans: which bytes go where for one route of one transfer.
 
+The data plane's planner (:class:`~kvpush.runtime.DataPlane` plans every
+``StartWrite``/``StartRead`` with it): pure, numpy in and numpy out, no I/O,
+but it lives here and not in the core so that the core never imports numpy
+(docs/architecture.md).
+
 Given the producer rank's and the consumer rank's :class:`KVLayout`, the
 :class:`Route` between them (which global KV heads this producer rank sends
 this consumer rank) and the block ids on both sides, the planner produces the
@@ -50,10 +55,15 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from ._errors import IncompatiblePeerError, LocalProtocolError
-from ._layout import HeadOrder, KVLayout, Region
-from ._topology import Route
-from ._types import Role
+from kvpush.protocol import (
+    HeadOrder,
+    IncompatiblePeerError,
+    KVLayout,
+    LocalProtocolError,
+    Region,
+    Role,
+    Route,
+)
 
 __all__ = ("TransferPlan", "TransferPlanner", "plan_transfer")
 

@@ -14,7 +14,7 @@ by the writer in :meth:`~ShmTransport.add_peer` under a name the target can
 compute from the writer's metadata and its own identity, and attached by the
 target lazily (in its ``add_peer`` or a later ``poll``). The writer publishes
 a record only after the data copy and the record body are written (see
-``_shm_ring`` for the memory-ordering argument). Each record carries a
+``_ring`` for the memory-ordering argument). Each record carries a
 sequence number, checked by the target to rise by exactly one per ring (no
 loss, no reorder), and, with ``verify=True`` on the writer, the CRC32 of the
 bytes sent and the destination ``(offset, length)`` rows; a target with
@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import msgpack
 
 from kvpush.protocol import MAX_ID_LEN, ConfigError, KVLayout, MemoryType
+from kvpush.runtime import Completed, Descriptors, Notice, Transport, TransportError
 
-from ._shm_ring import (
+from ._ring import (
     MAX_PAYLOAD,
     MIN_CAPACITY,
     NAME_RE,
@@ -55,7 +56,6 @@ from ._shm_ring import (
     copy_rows,
     crc_rows,
 )
-from ._transport import Completed, Descriptors, Notice, Transport, TransportError
 
 __all__ = ("DEFAULT_MAILBOX_BYTES", "ShmTransport")
 

@@ -1,6 +1,6 @@
 """POSIX shared-memory segments and the single-producer mailbox ring.
 
-Two building blocks of :class:`~kvpush.runtime.ShmTransport`:
+Two building blocks of :class:`~kvpush.shm.ShmTransport`:
 
 * :class:`Segment`: one named POSIX shared-memory object, mapped whole, seen as
   a ``uint8`` numpy array. It is opened with ``shm_open`` and ``mmap`` directly
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ._transport import Descriptors, TransportError
+from kvpush.runtime import Descriptors, TransportError
 
 __all__ = (
     "MAX_PAYLOAD",
@@ -67,6 +67,7 @@ __all__ = (
     "check_rows",
     "copy_rows",
     "crc_rows",
+    "posix_shm",
 )
 
 #: Shared-memory names this module creates or accepts (no ``/``, bounded).
@@ -93,7 +94,7 @@ _ROW = np.dtype("<u8")
 MIN_CAPACITY = 4096
 
 
-def _posixshmem() -> Any:
+def posix_shm() -> Any:
     """CPython's POSIX shared-memory module (no typeshed stubs; POSIX only)."""
     try:
         return importlib.import_module("_posixshmem")
@@ -122,7 +123,7 @@ class Segment:
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
         """Create segment ``name`` of ``size`` bytes (refused if it exists)."""
-        shm = _posixshmem()
+        shm = posix_shm()
         flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
         try:
             fd: int = shm.shm_open("/" + name, flags, mode=0o600)
@@ -149,7 +150,7 @@ class Segment:
     def attach(cls, name: str, size: int | None = None) -> Segment:
         """Map existing segment ``name`` (its first ``size`` bytes, default all)."""
         try:
-            fd: int = _posixshmem().shm_open("/" + name, os.O_RDWR, mode=0o600)
+            fd: int = posix_shm().shm_open("/" + name, os.O_RDWR, mode=0o600)
         except FileNotFoundError:
             raise TransportError(f"no shared memory named {name!r}") from None
         except OSError as exc:
@@ -180,7 +181,7 @@ class Segment:
             return
         self._unlinked = True
         with contextlib.suppress(FileNotFoundError):  # someone else removed it already
-            _posixshmem().shm_unlink("/" + self.name)
+            posix_shm().shm_unlink("/" + self.name)
         resource_tracker.unregister("/" + self.name, "shared_memory")
 
     def close(self) -> None:
