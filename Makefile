@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-xpyd e2e lint typecheck check bench explore long clean
+.PHONY: test test-fast demo demo-xpyd e2e bench-vllm lint typecheck check bench explore long clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ $(E2E_STAMP): scripts/install-vllm-e2e.sh pyproject.toml
 
 e2e: $(E2E_STAMP)
 	$(E2E_PY) -m pytest -m e2e tests/e2e -p no:cacheprovider -rA
+
+# kvpush push/pull against a plain engine and vLLM's NixlConnector / NixlPushConnector,
+# real CPU engines, interleaved rounds (docs/performance.md). JSON on stdout.
+BENCH_VLLM_ARGS ?= --rounds 2 --requests 16
+bench-vllm: $(E2E_STAMP)
+	$(E2E_PY) benchmarks/vllm_peer.py $(BENCH_VLLM_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks

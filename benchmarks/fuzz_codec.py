@@ -211,6 +211,7 @@ def random_message(rng: random.Random) -> Any:
             rng.random() < 0.5,
             edge_int(rng, 1, 64),
             seconds(rng, True),
+            seconds(rng, True),
             tuple(fp.items()),
             modes,
             edge_int(rng, 0, 0xFFFF),
@@ -526,7 +527,7 @@ def speed() -> dict[str, Any]:
     layout = KVLayout(
         layer_regions(bases, num_blocks=4096, tokens_per_block=16, num_heads=8, head_bytes=256)
     )
-    hello = Hello("prefill-0", 1, Role.PRODUCER, 1, 1, 8, False, 1, 30.0, layout=layout)
+    hello = Hello("prefill-0", 1, Role.PRODUCER, 1, 1, 8, False, 1, 30.0, 2.0, layout=layout)
     data = PLAIN.encode(hello)
     out["hello_layout64_bytes"] = len(data)
     out["hello_layout64_encode_us"] = per_call_us(lambda: PLAIN.encode(hello), 500)
@@ -542,6 +543,7 @@ def speed() -> dict[str, Any]:
         False,
         1,
         30.0,
+        2.0,
         ranks=tuple(bytes([i]) * 300 for i in range(8)),
     )
     data = PLAIN.encode(ranked)

@@ -84,6 +84,7 @@ ALL_MESSAGES: list[ControlMessage] = [
         False,
         1,
         10.0,
+        2.0,
         fingerprint=(("model", "llama"), ("dtype", "bf16")),
     ),
     HelloReject("tp", "4 != 2"),

@@ -104,8 +104,9 @@ async def legit_connects_under_flood(
                     out, _ = await anyio.to_thread.run_sync(flood.communicate)
                     attack = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
             await anyio.sleep(0.1)
-            stats = prefill.statistics()
-        # Leaving the block logged what the rate limit still held back.
+        # Leaving the block logged what the rate limit still held back; the
+        # counters are read after it, so a refusal in between is in both.
+        stats = prefill.statistics()
     finally:
         logger.removeHandler(lines)
     refused = [int(m[1]) for line in lines.lines if (m := REFUSED.search(line))]

@@ -193,6 +193,7 @@ def hellos(
         st.booleans(),
         st.integers(1, 64),
         op_bounds,
+        op_bounds,  # max_transit
         fingerprints,
         modes,
         st.integers(0, 0xFFFF),
@@ -278,7 +279,7 @@ NOTICE = Completion("req-1", 3, Source(1, 0), 2)
 LAYOUT = KVLayout(
     layer_regions([0, 1 << 30], num_blocks=4, tokens_per_block=16, num_heads=2, head_bytes=128)
 )
-HELLO = Hello("e", 1, Role.PRODUCER, 1, 1, 8, False, 1, 10.0)
+HELLO = Hello("e", 1, Role.PRODUCER, 1, 1, 8, False, 1, 10.0, 2.0)
 
 
 def packed(obj: Any) -> bytes:
@@ -335,11 +336,14 @@ def test_golden_bytes() -> None:
     assert PLAIN.encode(bad(reg, skip_tokens=1 << 40)) == (
         b"KVP\x01\x03\x00" + reg_body + b"\xcf" + (1 << 40).to_bytes(8, "big")
     )
-    # Hello: fixarray of 14; no layout is an empty bin (c4 00), then the ranks
-    # last: an array of bins, here empty (90).
+    # Hello: fixarray of 15; op_bound then max_transit (float64 each); no
+    # layout is an empty bin (c4 00), then the ranks last: an array of bins,
+    # here empty (90).
     hello_head = (
-        b"\x9e\xa1e\x01\xa8producer\x01\x01\x08\xc2\x01\xcb@$"
+        b"\x9f\xa1e\x01\xa8producer\x01\x01\x08\xc2\x01\xcb@$"
         + b"\x00" * 6
+        + b"\xcb@"
+        + b"\x00" * 7
         + b"\x90\x92\xa4push\xa4pull\x01"
     )
     assert PLAIN.encode(HELLO) == b"KVP\x01\x01\x00" + hello_head + b"\xc4\x00\x90"
@@ -396,9 +400,9 @@ def test_typical_sizes() -> None:
     assert len(PLAIN.encode(bad(REGISTER, skip_tokens=(1 << 63) - 1))) == 298 + 8
     # Hello without a layout or ranks: header 6 + fixarray 1 + "e" 2 +
     # instance 1 + "producer" 9 + tp, pp, heads, mla, kv_groups 5 + op_bound 9 +
-    # [] 1 + ["push", "pull"] 11 + version 1 + empty bin 2 + empty ranks
-    # array 1 = 49 (48 before ranks).
-    assert len(PLAIN.encode(HELLO)) == 49
+    # max_transit 9 + [] 1 + ["push", "pull"] 11 + version 1 + empty bin 2 +
+    # empty ranks array 1 = 58 (49 before max_transit, 48 before ranks).
+    assert len(PLAIN.encode(HELLO)) == 58
     # With LAYOUT the empty bin becomes a bin16 (3-byte header) + the document:
     # 19 bytes (fixmap, "version" 1, "regions", fixarray) + 4 regions of 153
     # bytes (the 148 of the one-region document in test_golden_bytes, + 2 + 2
@@ -406,13 +410,13 @@ def test_typical_sizes() -> None:
     # uint8) + 10 for the bases (16384 a uint16; 2**30, 2**30 + 16384 uint32s).
     doc = packed(LAYOUT.to_wire())
     assert len(doc) == 19 + 4 * 153 + 10 == 641
-    assert len(PLAIN.encode(bad(HELLO, layout=LAYOUT))) == 49 - 2 + 3 + 641
+    assert len(PLAIN.encode(bad(HELLO, layout=LAYOUT))) == 58 - 2 + 3 + 641
     # Ranks: each blob costs its length plus a bin header (2 bytes up to 255,
-    # 3 up to 65535, else 5); TP 8 with 300-byte blobs: 49 - 1 + 1 + 8 * 303.
+    # 3 up to 65535, else 5); TP 8 with 300-byte blobs: 58 - 1 + 1 + 8 * 303.
     tp8 = bad(HELLO, tp=8, ranks=tuple(bytes([i]) * 300 for i in range(8)))
-    assert len(PLAIN.encode(tp8)) == 49 + 8 * 303 == 2473
+    assert len(PLAIN.encode(tp8)) == 58 + 8 * 303 == 2482
     big = bad(HELLO, ranks=(bytes(255), bytes(65536)))
-    assert len(PLAIN.encode(big)) == 49 + (2 + 255) + (5 + 65536)
+    assert len(PLAIN.encode(big)) == 58 + (2 + 255) + (5 + 65536)
     assert len(PLAIN.encode_notice(NOTICE)) == 19 + 5
     assert len(SIGNED.encode_notice(NOTICE)) == 19 + 5 + 16
 
@@ -441,7 +445,7 @@ def test_module_exports() -> None:
 
 
 def test_core_hello_round_trips() -> None:
-    hello = Hello("prefill-0", 12345, Role.PRODUCER, 4, 2, 8, False, 1, 10)  # int op_bound
+    hello = Hello("prefill-0", 12345, Role.PRODUCER, 4, 2, 8, False, 1, 10, 2)  # int seconds
     decoded = PLAIN.decode(PLAIN.encode(hello))
     assert decoded == hello
     assert isinstance(decoded, Hello)
@@ -575,6 +579,7 @@ def test_largest_messages_fit_the_frame_bound() -> None:
             1 << 16,
             True,
             8,
+            1e300,
             1e300,
             tuple((wide[:-i] + "k", wide) for i in range(1, 6)),
             (Mode.PULL, Mode.PUSH),
@@ -1048,7 +1053,7 @@ def test_bad_magic_or_short_notice(data: bytes) -> None:
 # back to the valid body's value it decodes (checked in the test), so no case
 # can pass by failing on the field count or on some other field.
 VALID_WIRE: dict[type[Any], list[Any]] = {
-    Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b"", []],
+    Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, 2.0, [], ["push"], 1, b"", []],
     HelloReject: ["f", "d"],
     Register: ["t", 1, "c", [b""], 1.0, "push", 0],
     Withdraw: ["t", 1],
@@ -1101,6 +1106,10 @@ DECODE_CASES: list[tuple[int, list[Any], str]] = [
     (3, ["t", 1, "c", [b""], 1.0, "push", None], "skip_tokens"),
     (3, ["t", 1, "c", [b""], 1.0, "push", "0"], "skip_tokens"),
     (1, hello_wire(op_bound=0.0), "op_bound"),
+    (1, hello_wire(max_transit=0.0), "max_transit"),
+    (1, hello_wire(max_transit=-1.0), "max_transit"),
+    (1, hello_wire(max_transit=math.nan), "max_transit"),
+    (1, hello_wire(max_transit=2), "max_transit"),  # seconds travel as floats
     (1, hello_wire(tp=0), "tp"),
     (1, hello_wire(mla=0), "mla"),  # an int is not a bool
     (1, hello_wire(fingerprint=[["a", "b", "c"]]), "fingerprint"),
@@ -1262,13 +1271,18 @@ def test_decode_checks_the_field_count(cls: type[Any]) -> None:
 
 
 def test_bodies_of_older_formats_are_refused() -> None:
-    # A peer that predates Hello.ranks sends 13 Hello fields (the layout last),
-    # one that predates Hello.layout / Register.skip_tokens 12 and 6: refused
-    # for the count, never misread (a layout bin taken for the ranks, say).
-    assert RANKS_AT == len(HELLO_FIELDS) - 1 == 13
-    before_ranks = VALID_WIRE[Hello][:RANKS_AT]
-    assert before_ranks == ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b""]
+    # A peer that predates Hello.max_transit sends 14 Hello fields (the
+    # fingerprint after op_bound), one that predates Hello.ranks 13 (the layout
+    # last), one that predates Hello.layout / Register.skip_tokens 12 and 6:
+    # refused for the count, never misread (a layout bin taken for the ranks,
+    # the fingerprint for max_transit).
+    assert RANKS_AT == len(HELLO_FIELDS) - 1 == 14
+    at = HELLO_FIELDS.index("max_transit")
+    before_transit = VALID_WIRE[Hello][:at] + VALID_WIRE[Hello][at + 1 :]
+    assert before_transit == ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b"", []]
+    before_ranks = before_transit[:-1]
     old_hellos = [
+        before_transit,
         before_ranks,
         [*before_ranks[:-1], packed(LAYOUT.to_wire())],  # with a layout
         before_ranks[:-1],  # before layout too
@@ -1276,7 +1290,7 @@ def test_bodies_of_older_formats_are_refused() -> None:
     old_register = ["t", 1, "c", [b""], 1.0, "push"]
     for old_hello in old_hellos:
         for codec, data in ((PLAIN, frame(1, old_hello)), (SIGNED, sign(frame(1, old_hello)))):
-            with pytest.raises(RemoteProtocolError, match=r"^Hello: expected 14 fields$"):
+            with pytest.raises(RemoteProtocolError, match=r"^Hello: expected 15 fields$"):
                 codec.decode(data)
     with pytest.raises(RemoteProtocolError, match="Register: expected 7 fields"):
         PLAIN.decode(frame(3, old_register))
@@ -1538,5 +1552,5 @@ def test_mutated_notices_decode_or_raise_remote_error(notice: Completion, data: 
 def test_most_fingerprint_entries_round_trip() -> None:
     lim = CodecLimits()
     fp = tuple((f"k{i}", "v" * 256) for i in range(lim.max_fingerprint_entries))
-    hello = Hello("e", 1, Role.CONSUMER, 1, 1, 8, True, 64, 1.0, fp)
+    hello = Hello("e", 1, Role.CONSUMER, 1, 1, 8, True, 64, 1.0, 1.0, fp)
     assert SIGNED.decode(SIGNED.encode(hello)) == hello

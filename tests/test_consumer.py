@@ -56,7 +56,9 @@ def make(*, p_tp: int = 1, c_tp: int = 1, pp: int = 1, now: float = 0.0, **cfg: 
     """A consumer whose handshake with producer ``P`` is done."""
     c = Consumer(ConsumerConfig(Identity(D, 1, tp=c_tp), timing=TIMING, **cfg))
     c.connect(now, P)
-    c.receive(now, P, Identity(P, 1, tp=p_tp, pp=pp).hello(Role.PRODUCER, P_OP_BOUND))
+    c.receive(
+        now, P, Identity(P, 1, tp=p_tp, pp=pp).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit)
+    )
     assert [type(o) for o in c.drain()] == [Send, PeerReady]
     return c
 
@@ -205,7 +207,7 @@ def test_quarantine_counts_from_the_deadline_not_the_registration() -> None:
     c = Consumer(ConsumerConfig(Identity(D, 1), timing=TIMING))
     e = reserve(c, deadline=20.0)  # before the handshake
     c.drain()
-    c.receive(5.0, P, Identity(P, 1).hello(Role.PRODUCER, P_OP_BOUND))
+    c.receive(5.0, P, Identity(P, 1).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit))
     register = [o.message for o in c.drain() if isinstance(o, Send)]
     assert register == [Register("t1", e, D, ((1, 2),), 15.0, Mode.PUSH)]
     c.handle_timer(20.0)
@@ -387,7 +389,9 @@ def test_messages_from_another_peer_are_ignored() -> None:
     e = reserve(c)
     c.drain()
     c.connect(0.0, "other")
-    c.receive(0.0, "other", Identity("other", 1).hello(Role.PRODUCER, P_OP_BOUND))
+    c.receive(
+        0.0, "other", Identity("other", 1).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit)
+    )
     c.drain()
     for msg in (Settled("t1", e), Rejected("t1", e, RejectReason.RELEASED), Abort("t1", e)):
         c.receive(1.0, "other", msg)
@@ -601,7 +605,7 @@ def test_a_completion_counts_only_from_the_reservations_producer() -> None:
     q = "prefill-q"
     c = make()
     c.connect(0.0, q)
-    c.receive(0.0, q, Identity(q, 1).hello(Role.PRODUCER, P_OP_BOUND))
+    c.receive(0.0, q, Identity(q, 1).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit))
     c.drain()
     e = reserve(c)
     c.drain()

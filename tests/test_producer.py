@@ -49,7 +49,7 @@ DST = ((7, 8, 9),)
 def make(*, p_tp: int = 1, c_tp: int = 1, pp: int = 1, **cfg: Any) -> Producer:
     """A producer whose handshake with consumer ``D`` is done."""
     p = Producer(ProducerConfig(Identity(P, 1, tp=p_tp, pp=pp), timing=TIMING, **cfg))
-    p.receive(0.0, D, Identity(D, 1, tp=c_tp).hello(Role.CONSUMER, C_OP_BOUND))
+    p.receive(0.0, D, Identity(D, 1, tp=c_tp).hello(Role.CONSUMER, C_OP_BOUND, TIMING.max_transit))
     assert [type(o) for o in p.drain()] == [Send, PeerReady]
     return p
 
@@ -456,7 +456,7 @@ def test_invalid_registration_is_rejected(msg: Register) -> None:
 
 def test_registration_from_second_consumer_is_rejected() -> None:
     p = make()
-    p.receive(0.0, "d2", Identity("d2", 1).hello(Role.CONSUMER, 1.0))
+    p.receive(0.0, "d2", Identity("d2", 1).hello(Role.CONSUMER, 1.0, TIMING.max_transit))
     p.drain()
     p.receive(0.0, D, register(1))
     p.receive(0.0, "d2", Register("t1", 2, "d2", DST, 5.0))
@@ -544,7 +544,7 @@ def _inputs() -> list[Any]:
         Settled("t1", 1),
         Announce("t1", 1, SRC, 1.0),
         Heartbeat(1),
-        Identity(D, 1, tp=1).hello(Role.CONSUMER, C_OP_BOUND),
+        Identity(D, 1, tp=1).hello(Role.CONSUMER, C_OP_BOUND, TIMING.max_transit),
         "peer_lost",
         "kv_ready",
         "abort",

@@ -41,7 +41,7 @@ from kvpush.protocol import (
 P, D = "prefill", "decode"
 T = TypeVar("T")
 P_TIMING = Timing(max_transit=1.5, op_bound=6.0)
-C_TIMING = Timing(max_transit=1.0, op_bound=4.0)
+C_TIMING = Timing(max_transit=1.5, op_bound=4.0)  # max_transit must match
 SRC = ((1, 2, 3),)
 DST = ((7, 8, 9),)
 

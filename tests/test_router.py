@@ -556,7 +556,7 @@ async def test_prefill_leg_ending_after_the_decode_finished(status: int) -> None
     """A prefill leg that fails (500) after the client got its whole answer
     changes nothing; one that hangs (30 s) is cut after the grace."""
     world = World()
-    handler = prefill(world, delay=0.6 if status == 500 else 30, status=status, late=True)
+    handler = prefill(world, delay=0.2 if status == 500 else 30, status=status, late=True)
     async with stack([handler], [decode(world)], prefill_grace=1.0) as s:
         start = now()
         answer = await call(s.port, "POST", "/v1/completions", completion(stream=True))

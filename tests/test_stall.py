@@ -32,7 +32,7 @@ TIMING = Timing(max_transit=1.0, op_bound=2.0)  # stall_guard 0.5 s
 
 def ready_producer() -> Producer:
     p = Producer(ProducerConfig(Identity(P, 1), TIMING))
-    p.receive(0.0, D, Identity(D, 1).hello(Role.CONSUMER, 2.0))
+    p.receive(0.0, D, Identity(D, 1).hello(Role.CONSUMER, 2.0, TIMING.max_transit))
     p.drain()
     return p
 
@@ -54,14 +54,14 @@ def test_the_consumer_drops_an_announce_read_just_after_a_stall() -> None:
     c = Consumer(ConsumerConfig(Identity(D, 1), TIMING))
     r = c.reserve(0.0, "t1", P, [[1]], mode=Mode.PULL)
     assert isinstance(r, Reserved)
-    c.receive(0.0, P, Identity(P, 1).hello(Role.PRODUCER, 2.0))
+    c.receive(0.0, P, Identity(P, 1).hello(Role.PRODUCER, 2.0, TIMING.max_transit))
     c.drain()
     c.stalled(5.0, 3.0)
     c.receive(5.0, P, Announce("t1", r.epoch, ((3,),), 20.0))
     assert not any(isinstance(o, StartRead) for o in c.drain())
     assert c.reservations() == [("t1", r.epoch, CState.AWAITING)]
     assert c.stats()["dropped_after_stall"] == 1
-    c.receive(5.0, P, Identity(P, 1).hello(Role.PRODUCER, 2.0))  # others pass
+    c.receive(5.0, P, Identity(P, 1).hello(Role.PRODUCER, 2.0, TIMING.max_transit))  # others pass
     assert c.stats()["hello_duplicate"] == 1
 
 

@@ -207,7 +207,7 @@ def test_kv_that_never_comes_fails_the_load_at_its_deadline() -> None:
     load fails at its deadline, and vLLM hears of it (finished + load errors)
     only once the blocks are safe to reuse: here at once, since the prefill
     answers the abort with Settled (it never started a write)."""
-    prefill = Instance(Role.PRODUCER, 1, port=free_port())
+    prefill = Instance(Role.PRODUCER, 1, port=free_port(), max_transit=0.2)  # must match
     decode = Instance(Role.CONSUMER, 1, ready_timeout=0.5, max_transit=0.2, op_bound=0.3)
     try:
         peer = prefill.config.engine_id

@@ -79,7 +79,8 @@ class PrefillLeader(Leader):
     def make_runtime(
         self, identity: Identity, channel: ControlChannel, dataplane: DataPlane
     ) -> EndpointRuntime[Any]:
-        self.runtime = ProducerRuntime(Producer(ProducerConfig(identity)), channel, dataplane)
+        config = ProducerConfig(identity, self.spec.timing)
+        self.runtime = ProducerRuntime(Producer(config), channel, dataplane)
         return self.runtime
 
     def endpoint_blocks(self) -> int:
@@ -150,7 +151,8 @@ class DecodeLeader(Leader):
     def make_runtime(
         self, identity: Identity, channel: ControlChannel, dataplane: DataPlane
     ) -> EndpointRuntime[Any]:
-        config = ConsumerConfig(identity, max_reserved_blocks=self.spec.geometry.num_blocks)
+        geo = self.spec.geometry
+        config = ConsumerConfig(identity, self.spec.timing, max_reserved_blocks=geo.num_blocks)
         self.runtime = ConsumerRuntime(Consumer(config), channel, dataplane)
         return self.runtime
 

@@ -28,7 +28,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -38,7 +38,7 @@ import anyio.from_thread
 import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectSendStream
 
-from kvpush.protocol import Codec, Event, Identity, KVLayout, Mode, Role, Timeline
+from kvpush.protocol import Codec, Event, Identity, KVLayout, Mode, Role, Timeline, Timing
 from kvpush.runtime import (
     ControlChannel,
     DataPlane,
@@ -55,7 +55,15 @@ from ._model import DemoError, SideGeometry
 from ._pattern import request_seed
 from ._wire import Check, Dispatch, Fill, Finish, LeaderUp, OpsSummary, RankReply, Stats, Stop
 
-__all__ = ("BlockPool", "Leader", "LeaderSpec", "RankClient", "last_write_done", "ops_summary")
+__all__ = (
+    "BlockPool",
+    "Leader",
+    "LeaderSpec",
+    "RankClient",
+    "last_write_done",
+    "leader_channel",
+    "ops_summary",
+)
 
 #: Each (writer, target) notice mailbox: thousands of notices, little memory.
 _MAILBOX_BYTES = 1 << 20
@@ -81,6 +89,15 @@ class LeaderSpec:
     metrics_port: int | None = None
     #: "memory" (ShmTransport) or "nixl" (NixlTransport over the same segments).
     transport: str = "memory"
+    #: The endpoint's timing bounds; its channel's ``max_age`` is derived from them.
+    timing: Timing = field(default_factory=Timing)
+
+
+def leader_channel(spec: LeaderSpec, codec: Codec) -> ControlChannel:
+    """The leader's control channel: frames older than half the endpoint's
+    ``max_transit`` are dropped (the pump's default ``stall_limit`` is the
+    other half; docs/runtime.md, "The transit budget")."""
+    return ControlChannel(spec.name, codec, max_age=spec.timing.max_transit / 2)
 
 
 class BlockPool:
@@ -303,7 +320,7 @@ class Leader:
             layout=self.layouts[0],
             ranks=blobs,
         )
-        self.channel = await stack.enter_async_context(ControlChannel(spec.name, codec))
+        self.channel = await stack.enter_async_context(leader_channel(spec, codec))
         port = await self.channel.listen("127.0.0.1", 0)
         runtime = self.make_runtime(identity, self.channel, dataplane)
         if spec.metrics_port is not None:

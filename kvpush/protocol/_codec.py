@@ -38,8 +38,9 @@ Ranges (both directions): epochs in [0, 2**63); ``instance`` and ``seq`` in
 [0, 2**64); ranks and PP stages in [0, max_ranks); TP and PP sizes in
 [1, max_ranks]; ``num_kv_heads`` in [1, 2**16]; ``kv_groups`` in
 [1, max_kv_groups]; ``version`` in [0, 2**16); leases finite and >= 0 (whether
-a zero lease is usable is the core's call); ``op_bound`` finite and > 0; block
-ids in [0, 2**32), unique within a group; transfer and engine ids non-empty.
+a zero lease is usable is the core's call); ``op_bound`` and ``max_transit``
+finite and > 0; block ids in [0, 2**32), unique within a group; transfer and
+engine ids non-empty.
 A bool is not an int, an int on the wire is not a float (encode accepts ints
 exactly representable as floats), and maps and ext types never appear.
 

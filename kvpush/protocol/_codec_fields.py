@@ -385,6 +385,7 @@ def schemas(lim: CodecLimits) -> dict[type[Any], Schema]:
             ("mla", flag),
             ("kv_groups", _int_kind(1, lim.max_kv_groups)),
             ("op_bound", _seconds_kind(positive=True)),
+            ("max_transit", _seconds_kind(positive=True)),
             ("fingerprint", _fingerprint_kind(lim.max_fingerprint_entries, lim.max_id_len)),
             ("modes", _modes_kind()),
             ("version", _int_kind(0, 0xFFFF)),

@@ -14,6 +14,10 @@ from ._types import MAX_ID_LEN, Mode, Role
 __all__ = ("ConsumerConfig", "Identity", "ProducerConfig", "Timing")
 
 
+#: ``Timing.max_transit`` unless configured (seconds).
+_MAX_TRANSIT = 2.0
+
+
 def _positive(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
@@ -39,7 +43,7 @@ class Timing:
     ``None`` means ``max_transit / 2`` (:attr:`stall_guard`).
     """
 
-    max_transit: float = 2.0
+    max_transit: float = _MAX_TRANSIT
     op_bound: float = 10.0
     hello_retry: float = 1.0
     hello_retry_max: float = 8.0
@@ -115,8 +119,9 @@ class Identity:
         if not self.modes:
             raise ConfigError("modes must name at least one mode")
 
-    def hello(self, role: Role, op_bound: float) -> Hello:
-        """The handshake message this identity sends."""
+    def hello(self, role: Role, op_bound: float, max_transit: float = _MAX_TRANSIT) -> Hello:
+        """The handshake message this identity sends (an endpoint passes its
+        ``Timing``'s ``op_bound`` and ``max_transit``)."""
         return Hello(
             self.engine_id,
             self.instance,
@@ -127,6 +132,7 @@ class Identity:
             self.mla,
             self.kv_groups,
             op_bound,
+            max_transit,
             self.fingerprint + (self.layout.fingerprint() if self.layout else ()),
             self.modes,
             layout=self.layout,

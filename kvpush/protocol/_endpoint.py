@@ -43,11 +43,33 @@ class Timer(enum.Enum):
     HELLO_RETRY = "hello_retry"
 
 
+#: Hello fields that must be equal on both sides (after the fingerprint).
+#: ``max_transit``: each side's runtime drops the frames *it sends* after its
+#: own bound, and both quarantines add it, so neither side may assume a larger
+#: bound than the other enforces; none can be adopted once the channel runs.
+_EQUAL = ("num_kv_heads", "mla", "kv_groups", "max_transit")
+#: Hello bounds (seconds) that must be finite and > 0 on both sides. The peer's
+#: ``op_bound`` is not compared: each side puts the peer's into its quarantine.
+_BOUNDS = ("op_bound", "max_transit")
+
+
+def _check_bounds(local: Hello, remote: Hello) -> None:
+    for name in _BOUNDS:
+        for where, hello in (("here", local), ("there", remote)):
+            v = getattr(hello, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not (ok and math.isfinite(v) and v > 0):
+                raise IncompatiblePeerError(
+                    name, f"{v!r} {where} is not a positive finite number of seconds"
+                )
+
+
 def check_compatible(local: Hello, remote: Hello) -> Topology:
     """Decide whether two hellos may exchange KV; return the topology.
 
     The check is symmetric, so both sides reach the same verdict. Raises
-    :class:`IncompatiblePeerError` naming the first field that differs.
+    :class:`IncompatiblePeerError` naming the first field that differs (or,
+    for ``op_bound`` and ``max_transit``, that is not a usable bound).
     """
     if local.version != remote.version:
         raise IncompatiblePeerError(
@@ -55,13 +77,14 @@ def check_compatible(local: Hello, remote: Hello) -> Topology:
         )
     if local.role is remote.role:
         raise IncompatiblePeerError("role", f"both sides are {local.role.value}s")
+    _check_bounds(local, remote)
     mine, theirs = dict(local.fingerprint), dict(remote.fingerprint)
     for key in sorted(mine.keys() | theirs.keys()):
         if mine.get(key) != theirs.get(key):
             raise IncompatiblePeerError(
                 key, f"{mine.get(key)!r} here, {theirs.get(key)!r} there"
             )
-    for name in ("num_kv_heads", "mla", "kv_groups"):
+    for name in _EQUAL:
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
             raise IncompatiblePeerError(name, f"{a!r} here, {b!r} there")
@@ -110,7 +133,7 @@ class Endpoint:
     def __init__(self, identity: Identity, timing: Timing) -> None:
         self.identity = identity
         self._timing = timing
-        self._hello = identity.hello(self.role, timing.op_bound)
+        self._hello = identity.hello(self.role, timing.op_bound, timing.max_transit)
         self._out: list[Output] = []
         self._counters: Counter[str] = Counter()
         self._peers: dict[str, PeerView] = {}

@@ -50,8 +50,12 @@ class Hello:
     mla: bool
     #: Number of KV groups a registration must list blocks for.
     kv_groups: int
-    #: Upper bound (seconds) on a posted write or read staying in flight.
+    #: Upper bound (seconds) on a posted write or read staying in flight; the
+    #: peer puts this side's value into its quarantine.
     op_bound: float
+    #: Bound (seconds) on a control frame's delivery; must be equal on both
+    #: sides (each side's runtime enforces it on the frames it sends).
+    max_transit: float
     #: Named values that must be equal on both sides (model shape, dtype size,
     #: layout family, ...); the handshake names the first that differs.
     fingerprint: tuple[tuple[str, str], ...] = ()

@@ -218,6 +218,12 @@ class ControlChannel:
     def name(self) -> str:
         return self._hub.name
 
+    @property
+    def max_age(self) -> float:
+        """Seconds a frame may wait in a send queue (and unacknowledged on the
+        socket) before it is dropped: this side's share of ``max_transit``."""
+        return self._max_age
+
     # --- lifecycle --------------------------------------------------------------------
 
     async def __aenter__(self) -> ControlChannel:

@@ -24,6 +24,7 @@ import anyio
 import msgpack
 
 from kvpush.protocol import (
+    ConfigError,
     Consumer,
     ControlMessage,
     Event,
@@ -188,9 +189,31 @@ class StallWatch:
             self._on_stall(now, gap)
 
 
+def _check_transit_budget(channel: object, stall_limit: float, max_transit: float) -> None:
+    """Raise :class:`ConfigError` unless the channel's ``max_age`` and
+    ``stall_limit`` are each at most ``max_transit / 2`` (docs/runtime.md,
+    "The transit budget"). A frame ages in the *sender's* queue, then waits out
+    a stall of the *reader*: the pair's budget is one side's ``max_age`` plus
+    the other side's ``stall_limit``, so each side keeps to its half (two sides
+    that each fit a sum could still break it across). A channel without
+    ``max_age`` (a test double, a wrapper) is not checked."""
+    max_age = getattr(channel, "max_age", None)
+    half = max_transit / 2
+    if isinstance(max_age, (int, float)) and (max_age > half or stall_limit > half):
+        raise ConfigError(
+            f"the control channel's max_age ({max_age:g} s) and stall_limit ({stall_limit:g} s) "
+            f"must each be at most half the endpoint's Timing.max_transit ({max_transit:g} s): "
+            "a frame's age in one side's queue and the other side's stall add up"
+        )
+
+
 class EndpointRuntime(Generic[E]):
     """Runs one core endpoint on anyio. Call :meth:`run` in a task group;
-    feed inputs through the role's methods (from the event loop's thread)."""
+    feed inputs through the role's methods (from the event loop's thread).
+
+    ``stall_limit`` (default ``timing.max_transit / 2``) and the channel's
+    ``max_age`` share the endpoint's ``max_transit``: either over its half
+    raises :class:`ConfigError`."""
 
     def __init__(
         self,
@@ -201,9 +224,11 @@ class EndpointRuntime(Generic[E]):
         on_event: Callable[[Event], None] | None = None,
         stall_limit: float | None = None,
     ) -> None:
-        limit = endpoint.config.timing.max_transit / 2 if stall_limit is None else stall_limit
+        max_transit = endpoint.config.timing.max_transit
+        limit = max_transit / 2 if stall_limit is None else stall_limit
         if not limit > 0:
             raise KvpushError(f"stall_limit must be > 0 seconds, got {stall_limit!r}")
+        _check_transit_budget(channel, limit, max_transit)
         self.endpoint: E = endpoint
         self.channel = channel
         self.dataplane = dataplane

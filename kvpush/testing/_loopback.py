@@ -68,8 +68,9 @@ class LoopbackConfig:
     ``num_blocks`` blocks of ``*_block_tokens`` tokens (HND, DRAM), its share
     of ``num_kv_heads`` heads of ``head_bytes`` bytes per token.
 
-    ``timing`` and ``ready_timeout`` go to both endpoints' configs (the
-    default ``max_transit`` of 10 s keeps the pumps' stall rule, at
+    ``timing`` and ``ready_timeout`` go to both endpoints' configs, and each
+    channel's ``max_age`` is ``timing.max_transit / 2`` (the default
+    ``max_transit`` of 10 s keeps the pumps' stall rule, at
     ``max_transit / 2``, out of a test on a loaded machine); ``secret``
     authenticates the control frames (``None``: a random one per pair);
     ``verify`` checks every write's CRC on both ends; ``transport`` is the
@@ -248,7 +249,9 @@ async def _parts(
         transports.append(transport)
     ranks = {r: Rank(transports[r], layouts[r]) for r in range(tp)}
     dataplane = DataPlane(role, ranks, tp, codec)
-    channel = await stack.enter_async_context(ControlChannel(name, codec))
+    # Half the budget ages out in the sender's queue; the pump's stall_limit is the rest.
+    max_age = config.timing.max_transit / 2
+    channel = await stack.enter_async_context(ControlChannel(name, codec, max_age=max_age))
     port = await channel.listen(HOST, 0)
     return name, channel, port, tuple(transports), layouts, dataplane
 
