@@ -18,10 +18,13 @@ from kvpush.protocol import (
     ProducerConfig,
     PState,
     Register,
+    Rejected,
+    RejectReason,
     Reserved,
     Role,
     Send,
     StartRead,
+    StartWrite,
     Timing,
 )
 from kvpush.testing import InvariantViolation, World, WorldConfig
@@ -42,12 +45,63 @@ def test_the_producer_drops_a_registration_read_just_after_a_stall() -> None:
     assert TIMING.stall_guard == 0.5
     p.stalled(10.0, 4.0)
     p.receive(10.2, D, Register("t1", 1, D, ((7,),), 30.0))
-    assert p.transfers() == [] and p.drain() == []
+    # Dropped unread, and refused: nothing is or will be written for it.
+    assert p.transfers() == [("t1", PState.IDLE)]
+    assert p.drain() == [Send(D, Rejected("t1", 1, RejectReason.STALLED))]
     assert p.stats()["dropped_after_stall"] == 1
     assert p.stats()["stalls"] == 1
     assert p.stall_dropped == 1
     p.receive(10.6, D, Register("t2", 1, D, ((8,),), 30.0))  # past the window
-    assert p.transfers() == [("t2", PState.WAIT_KV)]
+    assert p.transfers() == [("t1", PState.IDLE), ("t2", PState.WAIT_KV)]
+
+
+def test_a_registration_dropped_by_the_stall_rule_ends_its_transfer_at_once() -> None:
+    """Regression (benchmarks/vllm_peer.py, a CPU-starved prefill): the
+    dropped Register was never answered, so the decode waited out its whole
+    deadline (30 s in vLLM) and the request failed late. Now the producer
+    refuses it, and the consumer releases its blocks at once."""
+    c = Consumer(ConsumerConfig(Identity(D, 1), TIMING, ready_timeout=30.0))
+    r = c.reserve(0.0, "t1", P, [[1, 2]])
+    assert isinstance(r, Reserved)
+    c.receive(0.0, P, Identity(P, 1).hello(Role.PRODUCER, 2.0, TIMING.max_transit))
+    (register,) = [
+        o.message for o in c.drain() if isinstance(o, Send) and isinstance(o.message, Register)
+    ]
+    p = ready_producer()
+    p.stalled(1.0, 2.0)
+    p.receive(1.1, D, register)
+    (answer,) = p.drain()
+    assert isinstance(answer, Send) and isinstance(answer.message, Rejected)
+    c.receive(1.2, P, answer.message)
+    assert c.reservations() == [] and c.reserved_blocks == 0
+    (failed,) = [e for e in c.drain() if type(e).__name__ == "Failed"]
+    assert failed.reason.value == "rejected"  # type: ignore[attr-defined]
+
+
+def test_a_late_copy_of_a_registration_refused_after_a_stall_is_never_taken() -> None:
+    """The consumer released the blocks on Rejected(STALLED): a copy of the
+    same Register read after the window must not be written into them."""
+    p = ready_producer()
+    register = Register("t1", 1, D, ((7,),), 30.0)
+    p.stalled(1.0, 1.0)
+    p.receive(1.1, D, register)
+    assert p.drain() == [Send(D, Rejected("t1", 1, RejectReason.STALLED))]
+    p.receive(5.0, D, register)  # past the window
+    assert p.drain() == [Send(D, Rejected("t1", 1, RejectReason.SUPERSEDED))]
+    assert p.transfers() == [("t1", PState.IDLE)]
+    p.kv_ready(5.1, "t1", [[3]])
+    assert not [o for o in p.drain() if isinstance(o, StartWrite)]
+
+
+def test_a_duplicate_of_a_taken_registration_is_not_refused_by_the_stall_rule() -> None:
+    p = ready_producer()
+    register = Register("t1", 1, D, ((7,),), 30.0)
+    p.receive(1.0, D, register)
+    p.drain()
+    p.stalled(2.0, 1.0)
+    p.receive(2.1, D, register)  # the same epoch again: it was taken, no Rejected
+    assert p.drain() == []
+    assert p.transfers() == [("t1", PState.WAIT_KV)]
 
 
 def test_the_consumer_drops_an_announce_read_just_after_a_stall() -> None:

@@ -215,13 +215,20 @@ class Endpoint:
         that reached the kernel during the gap is read late, and a lease
         measured from then would outlive the peer's quarantine. So every
         lease-bearing message (``Register``, ``Announce``) received until
-        ``now + timing.stall_guard`` is dropped (counted ``dropped_after_stall``):
-        the peer's deadline fails that transfer, as for any lost frame. Feed
-        this before the frames read after the gap."""
+        ``now + timing.stall_guard`` is dropped (counted ``dropped_after_stall``).
+        A producer answers a dropped ``Register`` of an epoch it never took
+        with ``Rejected(STALLED)``, so the consumer ends that transfer at once
+        instead of at its deadline; a dropped ``Announce`` is failed by the
+        peer's deadline, as any lost frame. Feed this before the frames read
+        after the gap."""
         if not (math.isfinite(now) and math.isfinite(gap)) or gap <= 0:
             raise LocalProtocolError(f"stalled() needs a finite gap > 0, got {gap!r}")
         self._counters["stalls"] += 1
         self._stall_until = max(self._stall_until, now + self._timing.stall_guard)
+
+    def _dropped_after_stall(self, now: float, peer: str, message: Register | Announce) -> None:
+        """Answer a lease-bearing message the stall rule dropped, where the
+        role can say so without a lease (the producer: ``Rejected``)."""
 
     # --- handshake ----------------------------------------------------------
 
@@ -295,6 +302,7 @@ class Endpoint:
         if now <= self._stall_until and isinstance(message, (Register, Announce)):
             self._counters["dropped_after_stall"] += 1
             self.stall_dropped += 1
+            self._dropped_after_stall(now, peer, message)
         elif isinstance(message, Hello):
             self._on_hello(now, peer, message)
         elif isinstance(message, HelloReject):

@@ -387,6 +387,23 @@ class Producer(Endpoint):
             return RejectReason.SUPERSEDED
         return None
 
+    def _dropped_after_stall(self, now: float, peer: str, message: Register | Announce) -> None:
+        # An epoch this producer never took is refused, with the promise of
+        # any Rejected: nothing is or will be written for it. So the record
+        # keeps the epoch as seen, and a late copy of the same frame is
+        # refused as stale, never taken. One it took (a duplicate) or that a
+        # newer one superseded gets nothing.
+        if not isinstance(message, Register):
+            return
+        known = self._tx.get(message.transfer_id)
+        if known is not None and known.peer not in (None, peer):
+            return  # another consumer's transfer: not this sender's to advance
+        if known is None or message.epoch > known.max_epoch:
+            rec = self._get(now, message.transfer_id)
+            rec.peer = rec.peer or peer
+            rec.max_epoch = message.epoch
+            self._refuse(peer, message, RejectReason.STALLED)
+
     def _refuse(self, peer: str, msg: Register, reason: RejectReason) -> None:
         self._out.append(Send(peer, Rejected(msg.transfer_id, msg.epoch, reason)))
 

@@ -82,6 +82,9 @@ class RejectReason(enum.Enum):
     PEER_MISMATCH = "peer_mismatch"
     #: The registration does not fit the handshake (wrong group count).
     INVALID = "invalid"
+    #: The registration was read just after this process stalled, so it may be
+    #: older than its lease, and was dropped unread (the stall rule).
+    STALLED = "stalled"
 
 
 class Source(NamedTuple):
