@@ -644,8 +644,9 @@ class RunResult:
     dropped_old: int
 
 
-#: How a transfer whose registration never reached the producer's core ends.
-STALLED = f"Failed+Released:{FailureReason.TIMEOUT.value}"
+#: How a transfer whose registration the producer's stall rule dropped ends:
+#: refused at once (Rejected(STALLED)), not at its deadline.
+STALLED = f"Failed+Released:{FailureReason.REJECTED.value}"
 
 
 def lost_frames(pair: Live) -> tuple[dict[str, int], int]:
@@ -772,7 +773,8 @@ async def test_a_registration_dropped_in_a_stall_is_told_apart(
     than the stall limit on a loaded machine, the producer's StallWatch dropped
     a lane's Register ("dropped Register of <id> epoch <e> from decode: this
     process was stalled"), and the lane waited for a registration that never came. Now the
-    harness sees the drop and the transfer end by its deadline."""
+    harness sees the drop, and the producer refuses the dropped registration
+    (Rejected(STALLED)), so the transfer ends at once, not at its deadline."""
     caplog.set_level(logging.WARNING, logger="kvpush.runtime")
     rng = random.Random(6)
     async with live_pair(None, ready_timeout=2.0) as pair:
