@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-xpyd e2e bench-vllm lint typecheck check bench explore long clean
+.PHONY: test test-fast demo demo-xpyd e2e bench-vllm device-check-cpu lint typecheck check bench explore long clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks
+	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks scripts
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
@@ -54,8 +54,12 @@ BENCH_VLLM_ARGS ?= --rounds 2 --requests 16
 bench-vllm: $(E2E_STAMP)
 	$(E2E_PY) benchmarks/vllm_peer.py $(BENCH_VLLM_ARGS)
 
+# The GPU device check's CPU path (on a GPU host: scripts/device-check.sh; docs/operations.md).
+device-check-cpu: $(STAMP)
+	UCX_NET_DEVICES=lo $(PY) scripts/device_check.py --cpu
+
 lint: $(STAMP)
-	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks
+	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks scripts
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -78,7 +82,7 @@ test-fast: $(FAST_STAMP)
 
 # Lint, types and the fast tests (what to run before a commit).
 check: $(FAST_STAMP)
-	$(FAST_PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks
+	$(FAST_PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks scripts
 	$(FAST_PY) -m mypy
 	$(MAKE) test-fast
 
@@ -97,6 +101,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/handoff.py
 	$(PY) benchmarks/nixl_strategies.py
 	$(PY) benchmarks/nixl_throughput.py --plot nixl_throughput.png
+	$(PY) benchmarks/wire.py
 
 clean:
 	rm -rf $(VENV) $(FAST_VENV) $(E2E_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

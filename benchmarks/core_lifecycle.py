@@ -78,7 +78,7 @@ def lifecycles(tp: int, n: int) -> tuple[float, dict[str, int]]:
             if type(out) is StartWrite:
                 route = out.route
                 p.write_done(now, tid, out.epoch, route.source, route.consumer_rank)
-                c.completion_received(now, out.notice)
+                c.completion_received(now, P, out.notice)
         for out in p.drain():
             released += type(out) is SourceReleased
         for out in c.drain():

@@ -57,8 +57,9 @@ from urllib.parse import urlsplit
 
 HERE = Path(__file__).resolve().parent
 E2E = HERE.parent / "tests" / "e2e"
-sys.path.insert(0, str(E2E))
+sys.path[:0] = [str(E2E), str(HERE)]
 
+import vllm_breakdown  # noqa: E402
 from cluster import free_port, wait_healthy  # noqa: E402
 from e2e_lib import MAX_MODEL_LEN, MODEL_NAME, Engine, engine, router  # noqa: E402
 
@@ -72,6 +73,8 @@ VLLM_MODES = ("nixl-pull", "nixl-push")
 #: Seconds one request may take (socket timeout; --timeout sets it).
 LIMITS = {"request": 120.0}
 NIXL_CLASS = {"nixl-pull": "NixlConnector", "nixl-push": "NixlPushConnector"}
+#: The kvpush prefill's, decode's and router's breakdown lines (in the log dir).
+TIMELINES = ("timeline-prefill.jsonl", "timeline-decode.jsonl", "timeline-router.jsonl")
 
 
 def log(msg: str) -> None:
@@ -165,7 +168,9 @@ def _nixl_engine(
     return e, {"engine_id": engine_id, "side_port": side}
 
 
-def build_modes(names: Sequence[str], model: Path, logs: Path, bs: int) -> dict[str, Mode]:
+def build_modes(
+    names: Sequence[str], model: Path, logs: Path, bs: int, idle_wait: float = 0.01
+) -> dict[str, Mode]:
     common = ["--no-enable-prefix-caching"]
     modes: dict[str, Mode] = {}
     if "plain" in names:
@@ -181,6 +186,7 @@ def build_modes(names: Sequence[str], model: Path, logs: Path, bs: int) -> dict[
             role="prefill",
             args=common,
             kv={"kv_load_failure_policy": "fail"},
+            extra={"timeline_file": str(logs / TIMELINES[0])},
         )
         d = engine(
             "kvpush-d",
@@ -191,8 +197,9 @@ def build_modes(names: Sequence[str], model: Path, logs: Path, bs: int) -> dict[
             role="decode",
             args=common,
             kv={"kv_load_failure_policy": "fail"},
+            extra={"timeline_file": str(logs / TIMELINES[1]), "idle_wait": idle_wait},
         )
-        r = router("kvpush-router", logs, p, d)
+        r = router("kvpush-router", logs, p, d, args=["--timeline-file", str(logs / TIMELINES[2])])
         for n in ("kvpush-push", "kvpush-pull"):
             if n in names:
                 modes[n] = Mode(n, [p, d], url=r.url, prefill=p, decode=d, extra={"router": r})
@@ -351,6 +358,11 @@ class Result:
     ttft: float | None = None
     tpot: float | None = None
     error: str = ""
+    #: time.monotonic() at the send and at the first token; the router's
+    #: x-request-id (kvpush: the transfer id), for the breakdown.
+    sent: float = 0.0
+    first: float | None = None
+    request_id: str | None = None
 
 
 def _post(
@@ -421,7 +433,7 @@ def stream(
     if first is None or last is None:
         return Result(False, ids, error="no token streamed")
     tpot = (last - first) / (len(ids) - 1) if len(ids) > 1 else None
-    return Result(True, ids, first - t0, tpot)
+    return Result(True, ids, first - t0, tpot, "", t0, first, resp.getheader("x-request-id"))
 
 
 def non_stream(
@@ -501,6 +513,53 @@ def send(mode: Mode, prompt: list[int], n_out: int) -> Result:
         return Result(False, error=f"{type(exc).__name__}: {exc}")
 
 
+def waiting_cost(mode: Mode, meter: CpuMeter, n: int, seconds: float) -> dict[str, Any]:
+    """What requests waiting for remote KV cost the engines: ``n`` decode legs
+    whose prefill leg never comes (each reserves, registers and waits) for
+    ``seconds``, with the engines' CPU measured meanwhile; then the clients
+    hang up (vLLM aborts them; the connector releases their blocks)."""
+    assert mode.prefill is not None and mode.decode is not None
+    peer = f"127.0.0.1:{mode.prefill.ctrl}"
+    conns: list[http.client.HTTPConnection] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        params = {"transfer_id": f"kvp-wait-{uuid.uuid4().hex}", "role": "decode"}
+        params |= {"mode": "push", "peer": peer}
+        body = _body([3 + i % 200] * 512, 4, True, kv_transfer_params={"kvpush": params})
+        u = urlsplit(mode.decode.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=seconds + 60)
+        with lock:
+            conns.append(conn)
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            conn.getresponse().read()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # every leg is in and waiting
+    with meter.window("waiting"):
+        time.sleep(seconds)
+    with lock:
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                if conn.sock is not None:
+                    conn.sock.shutdown(2)
+            conn.close()
+    for t in threads:
+        t.join(10)
+    return {
+        "requests": n,
+        "seconds": seconds,
+        "cpu": {
+            e.name: {"idle": meter.share(e.name, "idle"), "waiting": meter.share(e.name, "waiting")}
+            for e in mode.engines
+        },
+    }
+
+
 def _safe(f: Callable[[], Any]) -> Any:
     try:
         return f()
@@ -558,6 +617,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     ap.add_argument("--idle-seconds", type=float, default=5.0)
+    ap.add_argument(
+        "--idle-wait", type=float, default=0.01, help="the kvpush decode's idle_wait (seconds)"
+    )
+    ap.add_argument(
+        "--waiting-seconds",
+        type=float,
+        default=5.0,
+        help="seconds to measure the engines' CPU with 8 decode legs waiting for KV (0: skip)",
+    )
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--work", type=Path, default=None, help="logs and model (default: a tmp dir)")
     args = ap.parse_args(argv)
@@ -578,8 +646,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from e2e_lib import make_model
 
     model = make_model(work, "gqa-d64")
-    modes = build_modes(names, model, logs, args.block_size)
+    modes = build_modes(names, model, logs, args.block_size, args.idle_wait)
     t_start = time.monotonic()
+    waiting: dict[str, Any] | None = None
     try:
         start(modes, args.startup_timeout)
         startup = time.monotonic() - t_start
@@ -627,6 +696,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if m.name == "plain":
                         reference[(rnd, i)] = r.token_ids if r.ok else None
                 time.sleep(1.0)
+        kv = next((m for m in live if m.name.startswith("kvpush-")), None)
+        if kv is not None and args.waiting_seconds > 0:
+            waiting = waiting_cost(kv, meter, 8, args.waiting_seconds)
+            log(f"waiting for remote KV: {waiting['cpu']}")
     finally:
         wall = time.monotonic() - t_start
         stop(modes)
@@ -641,6 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "output_tokens": args.output_tokens,
             "qps": args.qps,
             "block_size": args.block_size,
+            "idle_wait": args.idle_wait,
             "seed": args.seed,
             "cpus": os.cpu_count(),
         },
@@ -648,6 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_s": round(wall, 1),
         "work_dir": str(work),
         "modes": {},
+        "waiting_for_kv": waiting,
     }
     for name in names:
         m = modes[name]
@@ -688,6 +763,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "errors": errors[:5],
         }
+        if name.startswith("kvpush-"):
+            clients = {
+                r.request_id: {"sent": r.sent, "first_token": r.first}
+                for _, _, r in rs
+                if r.ok and r.request_id and r.first is not None
+            }
+            joined = vllm_breakdown.join(
+                vllm_breakdown.read_lines(logs / t for t in TIMELINES), clients
+            )
+            mode_name = name.removeprefix("kvpush-")
+            out["modes"][name]["breakdown"] = vllm_breakdown.summary(joined, mode_name)
     live_stats = {n: s for n, s in out["modes"].items() if "skipped" not in s}
     plain = live_stats.get("plain")
 
@@ -712,6 +798,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "to_best_vllm": ratio(p50, bv),
             }
     print(table(out), file=sys.stderr)
+    for name, s in out["modes"].items():
+        if "breakdown" in s:
+            print(vllm_breakdown.table(name, s["breakdown"]), file=sys.stderr)
     print(json.dumps(out, indent=2))
     return 0
 

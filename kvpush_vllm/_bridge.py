@@ -92,6 +92,11 @@ class WorkerBridge:
             out, self._out = self._out, Outbound()
         return out
 
+    def has_actions(self) -> bool:
+        """Whether a transfer waits to be shipped (scheduler thread)."""
+        with self._lock:
+            return bool(self._out.actions)
+
     def known_peers(self) -> list[PeerRanks]:
         """Every peer's ranks so far (for a worker that joins late)."""
         with self._lock:

@@ -42,6 +42,12 @@ class ConnectorConfig:
     backend_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: Fields of ``_proven.PROVEN`` to run outside what make e2e proves (warned).
     allow_unproven: frozenset[str] = frozenset()
+    #: A file to append one JSON line per transfer to: the per-request
+    #: breakdown (``_breakdown.py``). None: off.
+    timeline_file: str | None = None
+    #: Decode: seconds an empty engine step waits for the KV it is loading
+    #: before vLLM steps again (``_scheduler.SchedulerSide._idle_wait``); 0: never.
+    idle_wait: float = 0.01
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -50,7 +56,7 @@ class ConnectorConfig:
         known = {
             "host", "port", "engine_id", "secret", "mode", "ready_timeout",
             "kv_hold_timeout", "max_transit", "op_bound", "backends", "backend_params",
-            "allow_unproven",
+            "allow_unproven", "timeline_file", "idle_wait",
         }  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -94,6 +100,12 @@ class ConnectorConfig:
         odd = sorted(set(allow) - FIELDS)
         if odd:
             raise ConfigError(f"allow_unproven: unknown field(s) {odd}; known: {sorted(FIELDS)}")
+        idle_wait = raw.get("idle_wait", 0.01)
+        if type(idle_wait) not in (int, float) or not 0 <= idle_wait <= 1:
+            raise ConfigError(f"idle_wait must be seconds in [0, 1], got {idle_wait!r}")
+        timeline_file = raw.get("timeline_file")
+        if timeline_file is not None and (not isinstance(timeline_file, str) or not timeline_file):
+            raise ConfigError(f"timeline_file must be a file path, got {timeline_file!r}")
         engine_id = raw.get("engine_id", "")
         if not isinstance(engine_id, str):
             raise ConfigError(f"engine_id must be a str, got {engine_id!r}")
@@ -111,4 +123,6 @@ class ConnectorConfig:
             backends=tuple(backends),
             backend_params=params,
             allow_unproven=frozenset(allow),
+            timeline_file=timeline_file,
+            idle_wait=float(idle_wait),
         )

@@ -123,6 +123,13 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+    parser.add_argument(
+        "--timeline-file",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per request (arrived, legs sent, answered; "
+        "time.monotonic) for the per-request breakdown (docs/performance.md)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -139,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         connect_timeout=args.connect_timeout,
         max_inflight=args.max_inflight,
         max_body=args.max_body_bytes,
+        timeline_file=getattr(args, "timeline_file", None),
     )
 
 

@@ -20,6 +20,7 @@ from anyio.abc import ByteStream, Listener, SocketAttribute, SocketStream, TaskS
 from kvpush.protocol import ConfigError, Mode
 from kvpush.routing import InstanceLoad, Ledger
 
+from ._breakdown import Breakdown
 from ._params import new_transfer_id
 from ._router_core import (
     DecodeSpec,
@@ -74,6 +75,10 @@ class RouterConfig:
     client_timeout: float = 60.0
     #: Seconds a finished decode waits for its prefill leg to end before cancelling it.
     prefill_grace: float = 5.0
+    #: A file to append one JSON line per request to (when it arrived, when its
+    #: legs left, when it ended: the router's part of the per-request breakdown,
+    #: docs/performance.md). None: off.
+    timeline_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prefills or not self.decodes:
@@ -122,6 +127,7 @@ class Router:
             prefill=config.timeout if config.prefill_timeout is None else config.prefill_timeout,
             grace=config.prefill_grace,
         )
+        self._breakdown = Breakdown(None, "router")
 
     def statistics(self) -> RouterStats:
         return RouterStats(
@@ -149,9 +155,13 @@ class Router:
         (closed at the end); reports the bound port to ``task_status``."""
         if listener is None:
             listener = await self.listen()
-        async with listener:
-            task_status.started(listener.extra(SocketAttribute.local_port))
-            await listener.serve(self._connection)
+        self._breakdown = Breakdown(self.config.timeline_file, "router")
+        try:
+            async with listener:
+                task_status.started(listener.extra(SocketAttribute.local_port))
+                await listener.serve(self._connection)
+        finally:
+            self._breakdown.close()
 
     async def _connection(self, stream: ByteStream) -> None:
         conn = ServerConn(stream, send_timeout=self.config.client_timeout)
@@ -262,6 +272,7 @@ class Router:
             return await _error(conn, 400, f"the request body is not JSON: {exc}")
         blocks = estimate_blocks(estimate_prompt_tokens(body), self.config.block_size)
         tid = new_transfer_id()
+        self._breakdown.stamp(tid, "received")
         choice = self._ledger.acquire(blocks)
         assert choice is not None  # no capacity: there is always a pick
         p, d = choice.prefill, choice.decode
@@ -279,12 +290,18 @@ class Router:
         )
         self._inflight += 1
         self._requests += 1
+        self._breakdown.stamp(tid, "dispatched")
         try:
             return await exchange.run()
         finally:
             self._inflight -= 1
             if exchange.failure is not None:
                 self._failures += 1
+            self._breakdown.stamp(tid, "answered")
+            failure = exchange.failure
+            self._breakdown.write(
+                tid, transfer_id=tid, mode=mode.value, outcome=failure.detail if failure else "ok"
+            )
 
 
 def _json(body: dict[str, Any]) -> bytes:

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ from kvpush.runtime import (
     decode_rank,
 )
 
+from ._breakdown import Breakdown
 from ._bridge import Outbound, WorkerBridge
 from ._config import ConnectorConfig
 from ._params import TransferParams
@@ -92,6 +94,9 @@ class _Transfer:
     failure: str = ""
 
 
+#: Seconds between checks for a transfer to ship while an idle step waits.
+_SLICE = 0.002
+
 #: A transfer's key: (transfer id, epoch); the prefill side uses epoch 0 (it
 #: sees one transfer per id, whatever the decode's epochs).
 _Key = tuple[str, int]
@@ -114,6 +119,8 @@ class SchedulerSide:
         self._key_of: dict[str, _Key] = {}  # req id -> its live transfer
         self._done: set[str] = set()  # decode req ids whose load ended
         self._reports = Reports()
+        side = "prefill" if role is Role.PRODUCER else "decode"
+        self.breakdown = Breakdown(config.timeline_file, side)
         self.port = 0
 
     # --- set-up ------------------------------------------------------------------
@@ -162,6 +169,7 @@ class SchedulerSide:
         sync, self._sync = self._sync, None
         if sync is not None:
             sync.close()
+        self.breakdown.close()
 
     # --- decode ------------------------------------------------------------------
 
@@ -173,6 +181,9 @@ class SchedulerSide:
             return 0
         if req_id in self._key_of:
             return 0  # already registered: vLLM asks again while it waits
+        self.breakdown.stamp(
+            req_id, "arrived", transfer_id=params.transfer_id, mode=params.mode.value
+        )
         return max(0, prompt - computed)
 
     def reserve(
@@ -202,6 +213,7 @@ class SchedulerSide:
                 self._reports.recving.add(req_id)
                 self._reports.failed[req_id] = list(blocks)
                 log.warning("kvpush: load of %s refused: %s", req_id, result.reason.value)
+                self.breakdown.write(req_id, outcome=f"refused: {result.reason.value}")
             else:
                 key = (params.transfer_id, result.epoch)
                 self._by_key[key] = _Transfer(req_id, list(blocks), "loading")
@@ -238,9 +250,15 @@ class SchedulerSide:
 
     # --- prefill -----------------------------------------------------------------
 
+    def scheduled(self, req_id: str, params: TransferParams | None) -> None:
+        """vLLM looked at a prefill request for the first time (breakdown only)."""
+        if params is not None and params.role == "prefill":
+            self.breakdown.stamp(req_id, "scheduled", transfer_id=params.transfer_id)
+
     def kv_ready(self, req_id: str, params: TransferParams, blocks: list[int]) -> bool:
         """The request's KV is complete in ``blocks``; True: keep them until sent."""
         if not blocks:
+            self.breakdown.write(req_id, outcome="no blocks")
             return False
         with self._lock:
             key = (params.transfer_id, 0)
@@ -250,9 +268,10 @@ class SchedulerSide:
         sync.call(sync.runtime.kv_ready, params.transfer_id, [blocks])
         return True
 
-    def abandon(self, params: TransferParams) -> None:
+    def abandon(self, req_id: str, params: TransferParams) -> None:
         """The prefill request ended without its KV (aborted): tell the decode
         now, if it registered already, rather than at its deadline."""
+        self.breakdown.write(req_id, outcome="aborted")
         sync, _ = self._running()
         sync.call(sync.runtime.abort, params.transfer_id)
 
@@ -262,19 +281,61 @@ class SchedulerSide:
 
     # --- every step ----------------------------------------------------------------
 
-    def step(self) -> tuple[Outbound, Reports]:
+    def step(self, idle: bool = False) -> tuple[Outbound, Reports]:
         """Drain protocol events (this is their only drain); what goes to the
-        workers this step."""
+        workers this step. ``idle``: vLLM scheduled nothing this step (see
+        :meth:`_idle_wait`)."""
         with self._lock:
             if self._sync is not None:
-                for ev in self._sync.events():
+                events = self._sync.events()
+                if not events and idle and self._should_wait():
+                    events = self._idle_wait(self._sync)
+                for ev in events:
                     self._event(ev)
             reports, self._reports = self._reports, Reports()
         return self.bridge.take(), reports
 
+    def _should_wait(self) -> bool:
+        """A decode whose only work is loads in flight, nothing to report."""
+        if self.role is not Role.CONSUMER or self.config.idle_wait <= 0 or self._reports:
+            return False
+        return any(tr.state == "loading" for tr in self._by_key.values())
+
+    def _idle_wait(self, sync: SyncRuntime[Any]) -> list[Event]:
+        """Wait up to ``idle_wait`` for an event or a transfer for the workers.
+
+        vLLM steps its engine loop while a request waits for remote KV, with a
+        1 ms nap between empty steps: each is a schedule, a round trip to the
+        worker processes and back. On CPU that costs the decode more than a
+        core (``benchmarks/vllm_peer.py``, ``waiting_for_kv``), taken from the
+        prefill it waits for. Waiting here instead, woken by the control
+        channel, caps the rate of empty steps; a Ready or a read to post goes
+        on within ``_SLICE``. The cost: a worker's result (a push notice) waits
+        for the step to end, up to ``idle_wait`` later."""
+        deadline = time.monotonic() + self.config.idle_wait
+        while (left := deadline - time.monotonic()) > 0 and not self.bridge.has_actions():
+            events = sync.wait_events(min(left, _SLICE))
+            if events:
+                return events
+        return []
+
     def results(self, results: list[Result]) -> None:
         """The workers' transfer results and notices, into the pump."""
         self.bridge.deliver(results)
+
+    def recving_seen(self, req_ids: set[str]) -> None:
+        """vLLM's scheduler took these loads as finished (breakdown only)."""
+        for req_id in req_ids:
+            if self.breakdown.waiting(req_id, "reported"):
+                self.breakdown.stamp(req_id, "recving_seen")
+
+    def first_steps(self, req_ids: list[str]) -> None:
+        """vLLM scheduled these requests (breakdown only): a loaded one's first
+        decode step ends its line."""
+        for req_id in req_ids:
+            if self.breakdown.waiting(req_id, "recving_seen"):
+                self.breakdown.stamp(req_id, "first_step")
+                self.breakdown.write(req_id, outcome="ready")
 
     # --- internals -----------------------------------------------------------------
 
@@ -299,6 +360,8 @@ class SchedulerSide:
         r = self._reports
         if isinstance(ev, Ready):
             r.recving.add(tr.req_id)
+            self.breakdown.keep(tr.req_id, ev.timeline)
+            self.breakdown.stamp(tr.req_id, "reported")
             self._forget(key, tr)
         elif isinstance(ev, Failed):
             tr.failure = f"{ev.reason.value}: {ev.detail}" if ev.detail else ev.reason.value
@@ -312,9 +375,11 @@ class SchedulerSide:
                 r.recving.add(tr.req_id)
                 r.failed[tr.req_id] = tr.blocks
             self._forget(key, tr)  # "preempted": vLLM has moved on already
+            self.breakdown.write(tr.req_id, ev.timeline, outcome=f"{tr.state}: {tr.failure}")
         else:  # SourceReleased
             r.sending.add(tr.req_id)
             self._forget(key, tr)
+            self.breakdown.write(tr.req_id, ev.timeline, outcome=ev.outcome.value)
 
     def _forget(self, key: _Key, tr: _Transfer) -> None:
         del self._by_key[key]

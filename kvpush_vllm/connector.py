@@ -138,7 +138,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self._sched is None or self._kv_role is not Role.CONSUMER:
+        if self._sched is None:
+            return 0, False
+        if self._kv_role is not Role.CONSUMER:
+            if self._sched.breakdown.enabled:
+                self._sched.scheduled(request.request_id, self._params(request))
             return 0, False
         prompt = len(request.prompt_token_ids or ())
         n = self._sched.tokens_to_load(
@@ -164,7 +168,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._sched is not None
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._sched.preempted(req_id)
-        out, reports = self._sched.step()
+        if self._sched.breakdown.enabled:
+            new = getattr(scheduler_output, "scheduled_new_reqs", None) or ()
+            self._sched.first_steps([r.req_id for r in new])
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        out, reports = self._sched.step(idle)
         return KvpushMetadata(
             out.actions, out.peers, reports.sending, reports.recving, reports.failed
         )
@@ -173,6 +181,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._sched is not None and isinstance(meta, KvpushWorkerMetadata):
             self._sched.results(meta.results)
+        recving = getattr(connector_output, "finished_recving", None)
+        if self._sched is not None and recving and self._sched.breakdown.enabled:
+            self._sched.recving_seen(set(recving))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if self._sched is None:
@@ -184,7 +195,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if params is None or params.role != "prefill":
             return False, None
         if not _finished_normally(request):
-            self._sched.abandon(params)
+            self._sched.abandon(request.request_id, params)
             return False, None
         ids = block_ids[0] if isinstance(block_ids, tuple) else block_ids
         return self._sched.kv_ready(request.request_id, params, list(ids)), None

@@ -91,6 +91,7 @@ block_ids = st.lists(
 fingerprints = st.dictionaries(names, names, max_size=6).map(lambda d: tuple(d.items()))
 modes = st.lists(st.sampled_from(Mode), min_size=1, unique=True).map(tuple)
 skip_tokens = st.integers(0, (1 << 63) - 1)
+attempts = st.integers(0, 0xFF)
 #: Hello.ranks: opaque per-rank blobs (0-8 of 0-512 random bytes).
 rank_blobs = st.lists(st.binary(max_size=512), max_size=8).map(tuple)
 no_ranks: st.SearchStrategy[tuple[bytes, ...]] = st.just(())
@@ -205,11 +206,13 @@ def hellos(
 messages: st.SearchStrategy[ControlMessage] = st.one_of(
     hellos(st.none() | layouts(), rank_blobs),
     st.builds(HelloReject, names, details),
-    st.builds(Register, ids, epochs, ids, block_ids, leases, st.sampled_from(Mode), skip_tokens),
+    st.builds(
+        Register, ids, epochs, ids, block_ids, leases, st.sampled_from(Mode), skip_tokens, attempts
+    ),
     st.builds(Withdraw, ids, epochs),
     st.builds(Abort, ids, epochs),
     st.builds(Settled, ids, epochs),
-    st.builds(Rejected, ids, epochs, st.sampled_from(RejectReason)),
+    st.builds(Rejected, ids, epochs, st.sampled_from(RejectReason), attempts),
     st.builds(WriteFailed, ids, epochs, sources, ranks, details),
     st.builds(Announce, ids, epochs, block_ids, leases),
     st.builds(ReadDone, ids, epochs, st.booleans()),
@@ -326,16 +329,19 @@ def test_golden_bytes() -> None:
     """Pins the wire format: a change here breaks mixed-version deployments."""
     assert PLAIN.encode(Heartbeat(5)) == b"KVP\x01\x0b\x00\x91\x05"
     assert PLAIN.encode(Abort("t", 0)) == b"KVP\x01\x05\x00\x92\xa1t\x00"
-    # Register: fixarray of 7; ids as a bin of uint32 LE; lease float64; mode by
-    # value; skip_tokens last (16 a positive fixint; 2**40 a uint64).
+    # Register: fixarray of 8; ids as a bin of uint32 LE; lease float64; mode by
+    # value; skip_tokens (16 a positive fixint; 2**40 a uint64); attempt last.
     reg = Register("t", 1, "c", ((7,),), 0.5, Mode.PULL, 16)
     reg_body = (
-        b"\x97\xa1t\x01\xa1c\x91\xc4\x04\x07\x00\x00\x00\xcb?\xe0" + b"\x00" * 6 + b"\xa4pull"
+        b"\x98\xa1t\x01\xa1c\x91\xc4\x04\x07\x00\x00\x00\xcb?\xe0" + b"\x00" * 6 + b"\xa4pull"
     )
-    assert PLAIN.encode(reg) == b"KVP\x01\x03\x00" + reg_body + b"\x10"
-    assert PLAIN.encode(bad(reg, skip_tokens=1 << 40)) == (
-        b"KVP\x01\x03\x00" + reg_body + b"\xcf" + (1 << 40).to_bytes(8, "big")
+    assert PLAIN.encode(reg) == b"KVP\x01\x03\x00" + reg_body + b"\x10\x00"
+    assert PLAIN.encode(bad(reg, skip_tokens=1 << 40, attempt=2)) == (
+        b"KVP\x01\x03\x00" + reg_body + b"\xcf" + (1 << 40).to_bytes(8, "big") + b"\x02"
     )
+    # Rejected: the reason by value, then the attempt.
+    rejected = Rejected("t", 1, RejectReason.STALLED, 1)
+    assert PLAIN.encode(rejected) == b"KVP\x01\x07\x00\x94\xa1t\x01\xa7stalled\x01"
     # Hello: fixarray of 15; op_bound then max_transit (float64 each); no
     # layout is an empty bin (c4 00), then the ranks last: an array of bins,
     # here empty (90).
@@ -344,7 +350,7 @@ def test_golden_bytes() -> None:
         + b"\x00" * 6
         + b"\xcb@"
         + b"\x00" * 7
-        + b"\x90\x92\xa4push\xa4pull\x01"
+        + b"\x90\x92\xa4push\xa4pull\x02"  # the protocol version, 2 since Register.attempt
     )
     assert PLAIN.encode(HELLO) == b"KVP\x01\x01\x00" + hello_head + b"\xc4\x00\x90"
     # Rank blobs are bins in rank order, as given: bin8 up to 255 bytes, then bin16.
@@ -392,12 +398,13 @@ def test_golden_bytes() -> None:
 def test_typical_sizes() -> None:
     # Register with 64 ids: header 6 + fixarray 1 + "req-1" 6 + epoch 1 +
     # "decode-0" 9 + blocks (fixarray 1 + bin16 header 3 + 256) + lease float64 9
-    # + "push" 5 + skip_tokens 0 as a fixint 1 = 298 (297 before skip_tokens).
-    assert len(PLAIN.encode(REGISTER)) == 298
-    assert len(SIGNED.encode(REGISTER)) == 298 + 32
+    # + "push" 5 + skip_tokens 0 and attempt 0 as fixints 1 + 1 = 299 (297
+    # before skip_tokens, 298 before attempt).
+    assert len(PLAIN.encode(REGISTER)) == 299
+    assert len(SIGNED.encode(REGISTER)) == 299 + 32
     # A skip_tokens past 127 costs what msgpack's int needs: 3, 5 or 9 bytes.
-    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=4096))) == 298 + 2
-    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=(1 << 63) - 1))) == 298 + 8
+    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=4096))) == 299 + 2
+    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=(1 << 63) - 1))) == 299 + 8
     # Hello without a layout or ranks: header 6 + fixarray 1 + "e" 2 +
     # instance 1 + "producer" 9 + tp, pp, heads, mla, kv_groups 5 + op_bound 9 +
     # max_transit 9 + [] 1 + ["push", "pull"] 11 + version 1 + empty bin 2 +
@@ -515,7 +522,7 @@ def test_skip_tokens_round_trip() -> None:
     for skip in (0, 16, 4096, (1 << 63) - 1):
         reg = bad(REGISTER, skip_tokens=skip)
         assert SIGNED.decode(SIGNED.encode(reg)) == reg
-        assert body_of(PLAIN, PLAIN.encode(reg))[-1] == skip
+        assert body_of(PLAIN, PLAIN.encode(reg))[-2:] == [skip, 0]
     assert PLAIN.decode(PLAIN.encode(REGISTER)).skip_tokens == 0  # type: ignore[union-attr]
 
 
@@ -942,7 +949,7 @@ def test_notice_mac() -> None:
 
 def test_oversized_frame() -> None:
     lim = CodecLimits()
-    data = frame(3, ["t", 1, "c", [b"\x00" * 4 * lim.max_block_ids], 1.0, "push", 0])
+    data = frame(3, ["t", 1, "c", [b"\x00" * 4 * lim.max_block_ids], 1.0, "push", 0, 0])
     data += b"\x00" * (lim.max_frame_bytes - len(data) + 1)
     with pytest.raises(RemoteProtocolError, match="exceeds"):
         PLAIN.decode(data)
@@ -1053,13 +1060,13 @@ def test_bad_magic_or_short_notice(data: bytes) -> None:
 # back to the valid body's value it decodes (checked in the test), so no case
 # can pass by failing on the field count or on some other field.
 VALID_WIRE: dict[type[Any], list[Any]] = {
-    Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, 2.0, [], ["push"], 1, b"", []],
+    Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, 2.0, [], ["push"], 2, b"", []],
     HelloReject: ["f", "d"],
-    Register: ["t", 1, "c", [b""], 1.0, "push", 0],
+    Register: ["t", 1, "c", [b""], 1.0, "push", 0, 0],
     Withdraw: ["t", 1],
     Abort: ["t", 1],
     Settled: ["t", 1],
-    Rejected: ["t", 1, "released"],
+    Rejected: ["t", 1, "released", 0],
     WriteFailed: ["t", 1, [0, 0], 0, ""],
     Announce: ["t", 1, [b""], 1.0],
     ReadDone: ["t", 1, True],
@@ -1078,33 +1085,38 @@ def hello_wire(layout: Any = b"", **changes: Any) -> list[Any]:
 
 
 DECODE_CASES: list[tuple[int, list[Any], str]] = [
-    (3, ["t", True, "c", [b""], 1.0, "push", 0], "epoch"),  # bool is not an int
-    (3, ["t", -1, "c", [b""], 1.0, "push", 0], "epoch"),
-    (3, ["t", 1 << 63, "c", [b""], 1.0, "push", 0], "epoch"),
-    (3, ["t", 1, "c", [b""], 1, "push", 0], "lease"),  # seconds travel as floats
-    (3, ["t", 1, "c", [b""], math.nan, "push", 0], "lease"),
-    (3, ["t", 1, "c", [b""], math.inf, "push", 0], "lease"),
-    (3, ["t", 1, "c", [b""], -1.0, "push", 0], "lease"),
-    (3, ["t", 1, "c", [b""], 1.0, "PUSH", 0], "mode"),
-    (3, ["t", 1, "c", [b"\x00\x00\x00"], 1.0, "push", 0], "blocks"),  # not whole uint32s
-    (3, ["t", 1, "c", [b"\x01\x00\x00\x00" * 2], 1.0, "push", 0], "blocks"),  # duplicate id
-    (3, ["t", 1, "c", [], 1.0, "push", 0], "blocks"),
-    (3, ["t", 1, "c", [[1, 2]], 1.0, "push", 0], "blocks"),  # ids as ints, not bin
-    (3, ["t", 1, "c", b"", 1.0, "push", 0], "blocks"),
-    (3, ["", 1, "c", [b""], 1.0, "push", 0], "transfer_id"),
-    (3, ["x" * 257, 1, "c", [b""], 1.0, "push", 0], "transfer_id"),
-    (3, [b"t", 1, "c", [b""], 1.0, "push", 0], "transfer_id"),
-    (3, ["t", 1, "", [b""], 1.0, "push", 0], "consumer"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", -1], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", -(1 << 63)], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", 1 << 63], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", (1 << 64) - 1], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", True], "skip_tokens"),  # bool is not an int
-    (3, ["t", 1, "c", [b""], 1.0, "push", False], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", 0.0], "skip_tokens"),  # nor is a float
-    (3, ["t", 1, "c", [b""], 1.0, "push", 16.0], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", None], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", "0"], "skip_tokens"),
+    (3, ["t", True, "c", [b""], 1.0, "push", 0, 0], "epoch"),  # bool is not an int
+    (3, ["t", -1, "c", [b""], 1.0, "push", 0, 0], "epoch"),
+    (3, ["t", 1 << 63, "c", [b""], 1.0, "push", 0, 0], "epoch"),
+    (3, ["t", 1, "c", [b""], 1, "push", 0, 0], "lease"),  # seconds travel as floats
+    (3, ["t", 1, "c", [b""], math.nan, "push", 0, 0], "lease"),
+    (3, ["t", 1, "c", [b""], math.inf, "push", 0, 0], "lease"),
+    (3, ["t", 1, "c", [b""], -1.0, "push", 0, 0], "lease"),
+    (3, ["t", 1, "c", [b""], 1.0, "PUSH", 0, 0], "mode"),
+    (3, ["t", 1, "c", [b"\x00\x00\x00"], 1.0, "push", 0, 0], "blocks"),  # not whole uint32s
+    (3, ["t", 1, "c", [b"\x01\x00\x00\x00" * 2], 1.0, "push", 0, 0], "blocks"),  # duplicate id
+    (3, ["t", 1, "c", [], 1.0, "push", 0, 0], "blocks"),
+    (3, ["t", 1, "c", [[1, 2]], 1.0, "push", 0, 0], "blocks"),  # ids as ints, not bin
+    (3, ["t", 1, "c", b"", 1.0, "push", 0, 0], "blocks"),
+    (3, ["", 1, "c", [b""], 1.0, "push", 0, 0], "transfer_id"),
+    (3, ["x" * 257, 1, "c", [b""], 1.0, "push", 0, 0], "transfer_id"),
+    (3, [b"t", 1, "c", [b""], 1.0, "push", 0, 0], "transfer_id"),
+    (3, ["t", 1, "", [b""], 1.0, "push", 0, 0], "consumer"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", -1, 0], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", -(1 << 63), 0], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 1 << 63, 0], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", (1 << 64) - 1, 0], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", True, 0], "skip_tokens"),  # bool is not an int
+    (3, ["t", 1, "c", [b""], 1.0, "push", False, 0], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0.0, 0], "skip_tokens"),  # nor is a float
+    (3, ["t", 1, "c", [b""], 1.0, "push", 16.0, 0], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", None, 0], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", "0", 0], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, -1], "attempt"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, 256], "attempt"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, True], "attempt"),
+    (7, ["t", 1, "stalled", -1], "attempt"),
+    (7, ["t", 1, "stalled", 1.0], "attempt"),
     (1, hello_wire(op_bound=0.0), "op_bound"),
     (1, hello_wire(max_transit=0.0), "max_transit"),
     (1, hello_wire(max_transit=-1.0), "max_transit"),
@@ -1180,7 +1192,7 @@ DECODE_CASES: list[tuple[int, list[Any], str]] = [
     (10, ["t", 1, 1], "ok"),
     (11, [-1], "seq"),
     (11, [-(1 << 63)], "seq"),
-    (7, ["t", 1, "no_such_reason"], "reason"),
+    (7, ["t", 1, "no_such_reason", 0], "reason"),
 ]
 
 
@@ -1273,13 +1285,14 @@ def test_decode_checks_the_field_count(cls: type[Any]) -> None:
 def test_bodies_of_older_formats_are_refused() -> None:
     # A peer that predates Hello.max_transit sends 14 Hello fields (the
     # fingerprint after op_bound), one that predates Hello.ranks 13 (the layout
-    # last), one that predates Hello.layout / Register.skip_tokens 12 and 6:
-    # refused for the count, never misread (a layout bin taken for the ranks,
-    # the fingerprint for max_transit).
+    # last), one that predates Hello.layout / Register.skip_tokens 12 and 6,
+    # one that predates Register.attempt / Rejected.attempt 7 and 3: refused
+    # for the count, never misread (a layout bin taken for the ranks, the
+    # fingerprint for max_transit).
     assert RANKS_AT == len(HELLO_FIELDS) - 1 == 14
     at = HELLO_FIELDS.index("max_transit")
     before_transit = VALID_WIRE[Hello][:at] + VALID_WIRE[Hello][at + 1 :]
-    assert before_transit == ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 1, b"", []]
+    assert before_transit == ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 2, b"", []]
     before_ranks = before_transit[:-1]
     old_hellos = [
         before_transit,
@@ -1287,13 +1300,16 @@ def test_bodies_of_older_formats_are_refused() -> None:
         [*before_ranks[:-1], packed(LAYOUT.to_wire())],  # with a layout
         before_ranks[:-1],  # before layout too
     ]
-    old_register = ["t", 1, "c", [b""], 1.0, "push"]
+    old_registers = [["t", 1, "c", [b""], 1.0, "push"], ["t", 1, "c", [b""], 1.0, "push", 0]]
     for old_hello in old_hellos:
         for codec, data in ((PLAIN, frame(1, old_hello)), (SIGNED, sign(frame(1, old_hello)))):
             with pytest.raises(RemoteProtocolError, match=r"^Hello: expected 15 fields$"):
                 codec.decode(data)
-    with pytest.raises(RemoteProtocolError, match="Register: expected 7 fields"):
-        PLAIN.decode(frame(3, old_register))
+    for old_register in old_registers:
+        with pytest.raises(RemoteProtocolError, match="Register: expected 8 fields"):
+            PLAIN.decode(frame(3, old_register))
+    with pytest.raises(RemoteProtocolError, match="Rejected: expected 4 fields"):
+        PLAIN.decode(frame(7, ["t", 1, "released"]))
 
 
 def test_decode_respects_configured_limits() -> None:
@@ -1304,10 +1320,10 @@ def test_decode_respects_configured_limits() -> None:
     assert small.decode(frame(4, ["12345678", 1])) == Withdraw("12345678", 1)
     for code, fields, field in [
         (4, ["123456789", 1], "Withdraw.transfer_id"),
-        (3, ["t", 1, "c", [bytes(range(20))], 1.0, "push", 0], "Register.blocks"),  # 5 ids
+        (3, ["t", 1, "c", [bytes(range(20))], 1.0, "push", 0, 0], "Register.blocks"),  # 5 ids
         (
             3,
-            ["t", 1, "c", [b"\x00\x00\x00\x00", b"\x01\x00\x00\x00", b""], 1.0, "push", 0],
+            ["t", 1, "c", [b"\x00\x00\x00\x00", b"\x01\x00\x00\x00", b""], 1.0, "push", 0, 0],
             "Register.blocks",
         ),
         (8, ["t", 1, [4, 0], 0, ""], "WriteFailed.source"),
@@ -1329,7 +1345,7 @@ def test_values_over_the_unpacker_limits_are_refused_as_malformed() -> None:
     lim = CodecLimits()
     for code, fields in [
         (8, ["t", 1, [0, 0], 0, "x" * (lim.max_detail_len + 1)]),
-        (3, ["t", 1, "c", [bytes(4 * lim.max_block_ids + 4)], 1.0, "push", 0]),
+        (3, ["t", 1, "c", [bytes(4 * lim.max_block_ids + 4)], 1.0, "push", 0, 0]),
         (1, hello_wire(bytes(lim.max_layout_bytes + 1))),
         (1, hello_wire(ranks=[bytes(lim.max_ranks_bytes + 1)])),
         (1, hello_wire(ranks=[b""] * (lim.max_ranks + 1))),

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvpush.protocol import Topology
+from kvpush.protocol import Consumer, Topology
 from kvpush.protocol._consumer import _Reservation
-from kvpush.protocol._endpoint import Endpoint
+from kvpush.protocol._endpoint import Endpoint, Timer
 from kvpush.protocol._producer import _Transfer
 from kvpush.testing import InvariantViolation, World, WorldConfig
 from kvpush.testing.explorer import _EXCLUDED, _KEY_FIELDS, _record_key, explore
@@ -76,10 +76,20 @@ def test_explorer_finds_a_handshake_without_retry_wedged(monkeypatch: pytest.Mon
         explore(config, transfers=1, preemptions=0, duplicates=0, hello_losses=1)
 
 
-def test_every_interleaving_with_a_process_stall() -> None:
+def test_every_interleaving_with_a_process_stall(monkeypatch: pytest.MonkeyPatch) -> None:
     """Either process stalls once, anywhere, and reads what waited late: the
-    stall rule drops its lease-bearing frames (such a transfer fails by its
-    deadline) and nothing else breaks."""
+    stall rule drops its lease-bearing frames (a Register is answered
+    Rejected(STALLED) and sent again as its next attempt, an Announce waits
+    for the deadline) and nothing else breaks."""
+    retries: list[float] = []
+    fire = Consumer._fire
+
+    def counting(self: Consumer, now: float, kind: Timer, key: Any) -> None:
+        if kind is Timer.RETRY:
+            retries.append(now)
+        fire(self, now, kind, key)
+
+    monkeypatch.setattr(Consumer, "_fire", counting)
     result = explore(
         WorldConfig(producer_tp=2, consumer_tp=1, **NO_TIMEOUTS),
         transfers=1,
@@ -88,6 +98,7 @@ def test_every_interleaving_with_a_process_stall() -> None:
         stalls=1,
     )
     assert result.states > 1_000
+    assert retries, "the model never registered again after a stall"
 
 
 #: The record fields the explorer keys states by. A new field of a record
@@ -95,9 +106,9 @@ def test_every_interleaving_with_a_process_stall() -> None:
 #: in the explorer's ``_EXCLUDED`` with the reason it does not.
 KEYED = {
     _Reservation: "transfer_id epoch peer mode blocks deadline skip_tokens state done settled "
-    "quarantine_at op_deadline failed after_reads timers",
-    _Transfer: "transfer_id state peer max_epoch src reg pending inflight writes owe ending "
-    "delivered_epoch hold_until op_deadline quarantine_at expires_at timers",
+    "quarantine_at op_deadline failed after_reads attempt timers",
+    _Transfer: "transfer_id state peer max_epoch max_attempt src reg pending inflight writes owe "
+    "ending delivered_epoch hold_until op_deadline quarantine_at expires_at timers",
 }
 
 

@@ -512,3 +512,53 @@ def test_mla_producer_tp4_to_consumer_tp2() -> None:
     for route in topo.routes:
         plan = plan_transfer(mla, mla, route, ((0, 1, 2),), ((3, 4, 7),))
         assert plan.num_descriptors == 2 * 2  # (3, 4) and (7) per layer
+
+
+@_settings
+@given(scenarios())
+def test_small_plan_path_agrees_with_the_numpy_path(case: dict[str, object]) -> None:
+    """Small transfers take a plain-Python path (``_small_plan``); it must make
+    exactly the plan the numpy path makes, arrays, counts and index form."""
+    from kvpush.runtime import _plan
+
+    route, src, dst = case["route"], case["src"], case["dst"]
+    assert isinstance(route, Route) and isinstance(src, Side) and isinstance(dst, Side)
+    src_ids, dst_ids, skip = case["src_ids"], case["dst_ids"], case["skip"]
+    assert isinstance(skip, int) and isinstance(src_ids, list) and isinstance(dst_ids, list)
+    planner = make_planner(src, dst, route)
+    args = (tuple(map(tuple, src_ids)), tuple(map(tuple, dst_ids)))
+    small = _plan._small_plan(planner, *args, skip)
+    event("small path" if small is not None else "numpy path (too large)")
+    if small is None:
+        return
+    groups = range(len(src_ids))
+    chunks = [planner._chunks(g, args[0][g], args[1][g], skip) for g in groups]
+    full = planner._assemble(chunks)
+    for name in ("src", "dst", "region_rows"):
+        a, b = getattr(small, name), getattr(full, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+        assert not a.flags.writeable
+    assert (small.nbytes, small.num_pieces) == (full.nbytes, full.num_pieces)
+    for a, b in zip(small.indices(), full.indices(), strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_small_plan_path_leaves_refusals_to_the_numpy_path() -> None:
+    """Bad input never takes the small path: the numpy path's checks and
+    messages apply (duplicates, out of range, non-int ids, long lists)."""
+    from kvpush.runtime import _plan
+
+    planner = TransferPlanner(layout(), layout(), ROUTE)
+    assert _plan._small_plan(planner, ((0, 1),), ((2, 3),), 0) is not None
+    for src, dst in (
+        (((0, 1),), ((2, 2),)),
+        (((0, 32),), ((2, 3),)),
+        (((0, 1),), ((2, -1),)),
+        (((0, True),), ((2, 3),)),
+        (((0, np.int64(1)),), ((2, 3),)),
+        (((0, 1),), ((2, 3, 4),)),
+    ):
+        assert _plan._small_plan(planner, src, dst, 0) is None
+    big = TransferPlanner(layout(blocks=1024), layout(blocks=1024), ROUTE)
+    ids = (tuple(range(0, 2 * _plan.SMALL_PLAN_BLOCKS + 2, 2)),)
+    assert _plan._small_plan(big, ids, ids, 0) is None

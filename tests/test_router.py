@@ -11,6 +11,7 @@ Every wait is bounded (``fail_after``).
 from __future__ import annotations
 
 import json
+import pathlib
 import signal
 import socket
 import sys
@@ -420,6 +421,19 @@ async def test_both_legs_at_once_with_one_transfer_id() -> None:
         stats = s.router.statistics()
         assert (stats.inflight, stats.requests, stats.failures) == (0, 1, 0)
         assert stats.prefills[0].outstanding == stats.decodes[0].reserved_blocks == 0
+
+
+async def test_the_timeline_file_has_one_line_per_request(tmp_path: pathlib.Path) -> None:
+    world, path = World(), tmp_path / "router.jsonl"
+    async with stack([prefill(world)], [decode(world)], timeline_file=str(path)) as s:
+        ok = await call(s.port, "POST", "/v1/completions", completion())
+        bad = await call(s.port, "POST", "/v1/completions", completion(kvpush_mode="x"))
+        assert (ok.status, bad.status) == (200, 400)
+        await until(lambda: s.router.statistics().inflight == 0)
+    (line,) = map(json.loads, path.read_text().splitlines())  # a refused request has none
+    assert line["side"] == "router" and line["transfer_id"] == ok.headers["x-request-id"]
+    assert (line["mode"], line["outcome"]) == ("push", "ok")
+    assert line["received"] <= line["dispatched"] <= line["answered"]
 
 
 async def test_mode_per_request_overrides_the_default() -> None:

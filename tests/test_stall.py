@@ -27,6 +27,7 @@ from kvpush.protocol import (
     StartWrite,
     Timing,
 )
+from kvpush.protocol._consumer import STALL_RETRIES
 from kvpush.testing import InvariantViolation, World, WorldConfig
 
 P, D = "prefill", "decode"
@@ -55,27 +56,94 @@ def test_the_producer_drops_a_registration_read_just_after_a_stall() -> None:
     assert p.transfers() == [("t1", PState.IDLE), ("t2", PState.WAIT_KV)]
 
 
-def test_a_registration_dropped_by_the_stall_rule_ends_its_transfer_at_once() -> None:
-    """Regression (benchmarks/vllm_peer.py, a CPU-starved prefill): the
-    dropped Register was never answered, so the decode waited out its whole
-    deadline (30 s in vLLM) and the request failed late. Now the producer
-    refuses it, and the consumer releases its blocks at once."""
-    c = Consumer(ConsumerConfig(Identity(D, 1), TIMING, ready_timeout=30.0))
-    r = c.reserve(0.0, "t1", P, [[1, 2]])
-    assert isinstance(r, Reserved)
-    c.receive(0.0, P, Identity(P, 1).hello(Role.PRODUCER, 2.0, TIMING.max_transit))
+def _registered(c: Consumer) -> Register:
     (register,) = [
         o.message for o in c.drain() if isinstance(o, Send) and isinstance(o.message, Register)
     ]
-    p = ready_producer()
-    p.stalled(1.0, 2.0)
-    p.receive(1.1, D, register)
+    return register
+
+
+def _pair(ready_timeout: float = 30.0) -> tuple[Consumer, Producer, Register]:
+    c = Consumer(ConsumerConfig(Identity(D, 1), TIMING, ready_timeout=ready_timeout))
+    assert isinstance(c.reserve(0.0, "t1", P, [[1, 2]]), Reserved)
+    c.receive(0.0, P, Identity(P, 1).hello(Role.PRODUCER, 2.0, TIMING.max_transit))
+    return c, ready_producer(), _registered(c)
+
+
+def _answer(p: Producer) -> Rejected:
     (answer,) = p.drain()
     assert isinstance(answer, Send) and isinstance(answer.message, Rejected)
-    c.receive(1.2, P, answer.message)
+    return answer.message
+
+
+def test_a_registration_dropped_by_the_stall_rule_is_sent_again_and_served() -> None:
+    """Regression (benchmarks/vllm_peer.py, a CPU-starved prefill): a Register
+    dropped after the prefill's stall failed its request, though nothing was
+    wrong but the load (first at its 30 s deadline, then at once with
+    Rejected(STALLED)). Now the consumer registers the same epoch again, as
+    attempt 1, once the producer's stall guard has passed, and it is served;
+    a late copy of attempt 0 is never taken."""
+    c, p, register = _pair()
+    assert register.attempt == 0
+    p.stalled(1.0, 2.0)
+    p.receive(1.1, D, register)
+    rejected = _answer(p)
+    assert (rejected.reason, rejected.attempt) == (RejectReason.STALLED, 0)
+    c.receive(1.2, P, rejected)
+    assert c.reservations() == [("t1", register.epoch, CState.RETRY_WAIT)]
+    assert c.reserved_blocks == 2 and c.drain() == []  # no Failed, blocks kept
+    c.handle_timer(1.2 + TIMING.stall_guard - 0.01)
+    assert c.drain() == []
+    c.handle_timer(1.2 + TIMING.stall_guard)
+    again = _registered(c)
+    assert (again.epoch, again.attempt) == (register.epoch, 1)
+    assert again.lease == pytest.approx(30.0 - 1.7)  # the same deadline
+    assert c.stats()["register_retry_after_stall"] == 1
+    p.receive(1.8, D, again)  # past the producer's window
+    assert p.transfers() == [("t1", PState.WAIT_KV)] and p.drain() == []
+    p.receive(1.9, D, register)  # a late copy of attempt 0: a duplicate, not taken
+    assert p.drain() == [] and p.stats()["register_duplicate"] == 1
+    c.receive(2.0, P, Rejected("t1", register.epoch, RejectReason.SUPERSEDED, 0))
+    assert c.reservations() == [("t1", register.epoch, CState.AWAITING)]  # stale: ignored
+    p.kv_ready(2.0, "t1", [[3, 4]])
+    (write,) = [o for o in p.drain() if isinstance(o, StartWrite)]
+    assert write.dst_blocks == ((1, 2),) and write.epoch == register.epoch
+
+
+def test_a_stalled_registration_fails_once_retries_or_time_run_out() -> None:
+    """Each retry is bounded: STALL_RETRIES attempts, and one only if the
+    deadline is further than the stall guard; then Failed(REJECTED) and the
+    blocks come back at once (nothing was taken)."""
+    c, p, register = _pair()
+    now = 1.0
+    for attempt in range(STALL_RETRIES + 1):
+        assert register.attempt == attempt
+        p.stalled(now, 2.0)
+        p.receive(now, D, register)
+        c.receive(now, P, _answer(p))
+        now += TIMING.stall_guard
+        c.handle_timer(now)
+        if attempt < STALL_RETRIES:
+            register = _registered(c)
     assert c.reservations() == [] and c.reserved_blocks == 0
     (failed,) = [e for e in c.drain() if type(e).__name__ == "Failed"]
     assert failed.reason.value == "rejected"  # type: ignore[attr-defined]
+    c2, p2, register2 = _pair(ready_timeout=1.0)  # the deadline is too close for a retry
+    p2.stalled(0.7, 2.0)
+    p2.receive(0.7, D, register2)
+    c2.receive(0.7, P, _answer(p2))
+    assert c2.reservations() == [] and c2.reserved_blocks == 0
+
+
+def test_a_reservation_waiting_to_register_again_ends_at_once_on_abort() -> None:
+    c, p, register = _pair()
+    p.stalled(1.0, 2.0)
+    p.receive(1.0, D, register)
+    c.receive(1.0, P, _answer(p))
+    assert c.abort(1.1, "t1")
+    assert c.reservations() == [] and c.reserved_blocks == 0  # nothing can land
+    c.handle_timer(5.0)
+    assert not [o for o in c.drain() if isinstance(o, Send) and isinstance(o.message, Register)]
 
 
 def test_a_late_copy_of_a_registration_refused_after_a_stall_is_never_taken() -> None:

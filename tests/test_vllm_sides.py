@@ -7,6 +7,8 @@ The same classes under vLLM's real scheduler: tests/vllm/."""
 
 from __future__ import annotations
 
+import json
+import pathlib
 import socket
 import time
 from typing import Any
@@ -113,8 +115,8 @@ def free_port() -> int:
 class Instance:
     """One vLLM instance's connector halves: scheduler side plus TP ranks."""
 
-    def __init__(self, role: Role, tp: int, port: int = 0, **timing: float) -> None:
-        extra: dict[str, Any] = {"port": port, **timing}
+    def __init__(self, role: Role, tp: int, port: int = 0, **extra_config: Any) -> None:
+        extra: dict[str, Any] = {"port": port, **extra_config}
         self.config = ConnectorConfig.from_extra(extra)
         self.sched = SchedulerSide(role, self.config, tp, HEADS, BS)
         heads = HEADS // tp
@@ -279,3 +281,84 @@ def test_the_cpu_backends_k_then_v_tiles_are_one_region_of_virtual_tokens() -> N
             num_kv_heads=BS,
             head_size=HEAD,
         )
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_the_breakdown_has_every_moment_of_a_request_in_order(
+    mode: str, tmp_path: pathlib.Path
+) -> None:
+    """With ``timeline_file``, each side writes one line per transfer whose
+    moments (one clock for both processes) follow the request through both
+    engines: the issue-15 breakdown that benchmarks/vllm_peer.py joins."""
+    path = tmp_path / "timeline.jsonl"
+    prefill = Instance(Role.PRODUCER, 1, port=free_port(), timeline_file=str(path))
+    decode = Instance(Role.CONSUMER, 1, timeline_file=str(path))
+    try:
+        tid, peer = f"kvp-bd-{mode}", prefill.config.engine_id
+        params_d = TransferParams(tid, "decode", Mode(mode), peer)
+        params_p = TransferParams(tid, "prefill", Mode(mode), "decode-url")
+        prefill.sched.scheduled("p-1", params_p)
+        assert decode.sched.tokens_to_load("d-1", params_d, 64, 0) == 64
+        decode.sched.reserve("d-1", params_d, [10, 2, 7, 8], 0)
+        assert prefill.sched.kv_ready("p-1", params_p, [3, 4, 5, 9]) is True
+        run_until(
+            [prefill, decode],
+            lambda: "d-1" in decode.seen.recving and "p-1" in prefill.seen.sending,
+        )
+        decode.sched.first_steps(["d-1"])  # not yet seen by vLLM's scheduler: no line
+        decode.sched.recving_seen({"d-1", "other"})
+        decode.sched.first_steps(["other", "d-1"])
+    finally:
+        prefill.close()
+        decode.close()
+    lines = {rec["side"]: rec for rec in map(json.loads, path.read_text().splitlines())}
+    assert sorted(lines) == ["decode", "prefill"]
+    d, p = lines["decode"], lines["prefill"]
+    assert (d["transfer_id"], d["req_id"], d["outcome"], d["mode"]) == (tid, "d-1", "ready", mode)
+    assert (p["transfer_id"], p["req_id"], p["outcome"]) == (tid, "p-1", "delivered")
+    order_d = ["arrived", "reserved", "registration_sent", "ready", "delivered", "reported"]
+    order_d += ["recving_seen", "first_step"]
+    assert [d[k] for k in order_d] == sorted(d[k] for k in order_d)
+    order_p = ["scheduled", "kv_ready", "write_started", "released"]
+    assert [p[k] for k in order_p] == sorted(p[k] for k in order_p)
+    side_ops = p if mode == "push" else d  # the side whose data plane posts
+    ops = ["op_plan_started", "op_planned", "op_posted", "op_done"]
+    assert [side_ops[k] for k in ops] == sorted(side_ops[k] for k in ops)
+    if mode == "push":
+        assert p["kv_ready"] <= p["op_posted"] <= d["notice_seen"] <= d["ready"]
+    else:
+        assert p["kv_ready"] <= d["op_posted"] <= d["ready"]
+
+
+def test_an_idle_decode_step_waits_for_its_kv_and_wakes_on_the_channel() -> None:
+    """vLLM steps a decode that only waits for remote KV without pause (about
+    1.5 cores on CPU); an empty step waits up to ``idle_wait`` instead, and an
+    Announce (pull) ends the wait at once with the read to post."""
+    prefill = Instance(Role.PRODUCER, 1, port=free_port())
+    decode = Instance(Role.CONSUMER, 1, idle_wait=0.5)
+    try:
+        peer = prefill.config.engine_id
+        t0 = time.monotonic()
+        out, _ = decode.sched.step(idle=True)
+        assert time.monotonic() - t0 < 0.2 and not out.actions  # nothing loading: no wait
+        for tid in ("kvp-idle-push", "kvp-idle-pull"):
+            mode = Mode.PUSH if tid.endswith("push") else Mode.PULL
+            params = TransferParams(tid, "decode", mode, peer)
+            decode.sched.reserve(f"d-{tid}", params, [1, 2], 0)
+        run_until([prefill, decode], lambda: bool(prefill.sched._sync and decode.sched._key_of))
+        time.sleep(0.2)  # both registrations are at the prefill
+        t0 = time.monotonic()
+        decode.sched.step(idle=False)  # vLLM ran a batch: no wait
+        assert time.monotonic() - t0 < 0.2
+        t0 = time.monotonic()
+        out, _ = decode.sched.step(idle=True)  # loads in flight, nothing comes: the whole wait
+        assert time.monotonic() - t0 >= 0.45 and not out.actions
+        params_p = TransferParams("kvp-idle-pull", "prefill", Mode.PULL, "decode-url")
+        prefill.sched.kv_ready("p-1", params_p, [3, 4])  # the prefill announces
+        t0 = time.monotonic()
+        out, _ = decode.sched.step(idle=True)
+        assert time.monotonic() - t0 < 0.4
+        assert [a.transfer_id for a in out.actions] == ["kvp-idle-pull"]
+    finally:
+        prefill.close()
+        decode.close()

@@ -80,7 +80,7 @@ class PrefillLeader(Leader):
         self, identity: Identity, channel: ControlChannel, dataplane: DataPlane
     ) -> EndpointRuntime[Any]:
         config = ProducerConfig(identity, self.spec.timing)
-        self.runtime = ProducerRuntime(Producer(config), channel, dataplane)
+        self.runtime = ProducerRuntime(Producer(config), channel, dataplane, on_event=self.deliver)
         return self.runtime
 
     def endpoint_blocks(self) -> int:
@@ -153,7 +153,7 @@ class DecodeLeader(Leader):
     ) -> EndpointRuntime[Any]:
         geo = self.spec.geometry
         config = ConsumerConfig(identity, self.spec.timing, max_reserved_blocks=geo.num_blocks)
-        self.runtime = ConsumerRuntime(Consumer(config), channel, dataplane)
+        self.runtime = ConsumerRuntime(Consumer(config), channel, dataplane, on_event=self.deliver)
         return self.runtime
 
     def endpoint_blocks(self) -> int:

@@ -44,6 +44,7 @@ __all__ = ("TYPE_CODES", "FieldError", "Kind", "Schema", "capped", "schemas")
 EPOCH_MAX = (1 << 63) - 1
 U64_MAX = (1 << 64) - 1
 MAX_HEADS = 1 << 16  # the bound compute_topology applies
+MAX_ATTEMPT = 0xFF  # a registration's attempt (the consumer makes a few)
 
 
 _T = TypeVar("_T")
@@ -373,6 +374,7 @@ def schemas(lim: CodecLimits) -> dict[type[Any], Schema]:
     source = _source_kind(lim.max_ranks)
     rank = _int_kind(0, lim.max_ranks - 1)
     flag = (_bool, _bool)
+    attempt = _int_kind(0, MAX_ATTEMPT)
     key: Schema = (("transfer_id", ident), ("epoch", epoch))
     return {
         Hello: (
@@ -400,11 +402,12 @@ def schemas(lim: CodecLimits) -> dict[type[Any], Schema]:
             ("lease", lease),
             ("mode", _enum_kind(Mode)),
             ("skip_tokens", _int_kind(0, EPOCH_MAX)),
+            ("attempt", attempt),
         ),
         Withdraw: key,
         Abort: key,
         Settled: key,
-        Rejected: (*key, ("reason", _enum_kind(RejectReason))),
+        Rejected: (*key, ("reason", _enum_kind(RejectReason)), ("attempt", attempt)),
         WriteFailed: (*key, ("source", source), ("consumer_rank", rank), ("detail", detail)),
         Announce: (*key, ("blocks", blocks), ("lease", lease)),
         ReadDone: (*key, ("ok", flag)),

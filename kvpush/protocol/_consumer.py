@@ -89,12 +89,16 @@ _FAILURE = {
 }
 
 #: States in which a reservation is still the transfer's live one.
-_LIVE = frozenset((CState.WAITING_PEER, CState.AWAITING, CState.READING))
+_LIVE = frozenset((CState.WAITING_PEER, CState.AWAITING, CState.RETRY_WAIT, CState.READING))
+
+#: Registrations of one epoch sent again after ``Rejected(STALLED)``.
+STALL_RETRIES = 3
 
 #: Timers each state keeps armed (everything else is cancelled on entry).
 _TIMERS: dict[CState, tuple[Timer, ...]] = {
     CState.WAITING_PEER: (Timer.DEADLINE,),
     CState.AWAITING: (Timer.DEADLINE,),
+    CState.RETRY_WAIT: (Timer.DEADLINE, Timer.RETRY),
     CState.READING: (Timer.DEADLINE, Timer.OP),
     CState.READ_DRAIN: (Timer.OP,),
     CState.DRAINING: (Timer.QUARANTINE,),
@@ -123,6 +127,10 @@ class _Reservation:
     failed: bool = False
     #: Pull: what to tell the producer once our reads settle.
     after_reads: CInput | None = None
+    #: This epoch's registration attempt (see ``CState.RETRY_WAIT``), and
+    #: when the next one goes out.
+    attempt: int = 0
+    retry_at: float = 0.0
     timers: dict[Timer, float] = field(default_factory=dict)
 
 
@@ -358,13 +366,31 @@ class Consumer(Endpoint):
         if isinstance(message, Settled):
             self._step(now, rec, CInput.SETTLED, remote=True)
         elif isinstance(message, Rejected):
-            self._step(now, rec, CInput.REJECTED, remote=True, detail=message.reason.value)
+            self._rejected(now, rec, message)
         elif isinstance(message, WriteFailed):
             self._write_failed(now, rec, message)
         elif len(message.blocks) != self.identity.kv_groups or message.lease <= 0:
             self._counters["announce_invalid"] += 1
         else:
             self._announce(now, rec, message)
+
+    def _rejected(self, now: float, rec: _Reservation, message: Rejected) -> None:
+        if message.attempt != rec.attempt:
+            self._counters["rejected_stale_attempt"] += 1  # an earlier attempt's answer
+            return
+        retry_at = now + self.config.timing.stall_guard
+        # The producer's stall rule took nothing: register again once its guard
+        # window is over, if the deadline leaves time for it.
+        again = (
+            message.reason is RejectReason.STALLED
+            and rec.attempt < STALL_RETRIES
+            and retry_at < rec.deadline
+        )
+        if again and rec.state is CState.AWAITING:
+            rec.retry_at = retry_at
+            self._counters["register_retry_after_stall"] += 1
+        inp = CInput.STALLED if again else CInput.REJECTED
+        self._step(now, rec, inp, remote=True, detail=message.reason.value)
 
     def _write_failed(self, now: float, rec: _Reservation, message: WriteFailed) -> None:
         pair = self._valid_pair(rec, message.source, message.consumer_rank, "write_failed")
@@ -428,6 +454,9 @@ class Consumer(Endpoint):
         del rec.timers[kind]
         if kind is Timer.DEADLINE:
             self._step(now, rec, CInput.DEADLINE)
+        elif kind is Timer.RETRY:
+            rec.attempt += 1
+            self._step(now, rec, CInput.RETRY)
         elif kind is Timer.QUARANTINE:
             self._step(now, rec, CInput.QUARANTINE)
         else:  # Timer.OP: reads past their bound are dead
@@ -440,6 +469,8 @@ class Consumer(Endpoint):
         for kind in _TIMERS.get(rec.state, ()):
             if kind is Timer.DEADLINE:
                 when = rec.deadline
+            elif kind is Timer.RETRY:
+                when = rec.retry_at
             elif kind is Timer.OP:
                 when = rec.op_deadline
             else:
@@ -539,7 +570,14 @@ class Consumer(Endpoint):
         rec.timeline.registration_sent = now
         engine = self.identity.engine_id
         msg = Register(
-            rec.transfer_id, rec.epoch, engine, rec.blocks, lease, rec.mode, rec.skip_tokens
+            rec.transfer_id,
+            rec.epoch,
+            engine,
+            rec.blocks,
+            lease,
+            rec.mode,
+            rec.skip_tokens,
+            rec.attempt,
         )
         self._out.append(Send(rec.peer, msg))
 

@@ -39,6 +39,8 @@ class Timer(enum.Enum):
     LEASE = "lease"
     #: Producer: ready KV found no usable registration in time.
     HOLD = "hold"
+    #: Consumer: send a registration the producer dropped after a stall again.
+    RETRY = "retry"
     #: Handshake: our hello went unanswered; send it again (``HELLO_SENT``).
     HELLO_RETRY = "hello_retry"
 

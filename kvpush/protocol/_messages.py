@@ -32,7 +32,7 @@ __all__ = (
 )
 
 #: Version of the control protocol; both peers must speak the same one.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +95,9 @@ class Register:
     #: Tokens the consumer already holds (a prefix hit): ``blocks`` start at
     #: this token, which is a multiple of the consumer's tokens per block.
     skip_tokens: int = 0
+    #: How many times this epoch was registered before: each answered
+    #: ``Rejected(STALLED)``, so none was taken (the stall rule's retry).
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +130,13 @@ class Settled:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """Producer -> consumer: registration refused; nothing was or will be written."""
+    """Producer -> consumer: registration refused; nothing was or will be written
+    for that ``attempt`` of the epoch, nor for any earlier one."""
 
     transfer_id: str
     epoch: int
     reason: RejectReason
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,12 @@ class _Reg:
     lease_until: float
     mode: Mode
     skip_tokens: int = 0
+    attempt: int = 0
+
+
+#: ``max_attempt`` of an epoch the consumer ended (Withdraw, Abort) or
+#: released on a refusal: no attempt of it may be taken any more.
+_EVERY_ATTEMPT = 1 << 30
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +84,10 @@ class _Transfer:
     state: PState = PState.IDLE
     peer: str | None = None
     max_epoch: int = 0
+    #: The newest attempt of ``max_epoch`` seen: a registration is new only
+    #: above (max_epoch, max_attempt). An attempt above 0 follows a
+    #: ``Rejected(STALLED)``, which took nothing.
+    max_attempt: int = 0
     src: BlockIds | None = None
     reg: _Reg | None = None
     pending: _Reg | None = None
@@ -249,7 +259,7 @@ class Producer(Endpoint):
     def _on_unready_message(self, now: float, peer: str, message: ControlMessage) -> None:
         if isinstance(message, Register):
             tid = message.transfer_id
-            reject = Rejected(tid, message.epoch, RejectReason.UNKNOWN_PEER)
+            reject = Rejected(tid, message.epoch, RejectReason.UNKNOWN_PEER, message.attempt)
             self._out.append(Send(peer, reject))
             # The consumer releases those blocks on this answer, so no copy of
             # this registration (duplicated, or delayed past a redone
@@ -260,7 +270,7 @@ class Producer(Endpoint):
                 rec = self._get(now, tid)
                 rec.peer = peer
             if rec.peer == peer:
-                rec.max_epoch = max(rec.max_epoch, message.epoch)
+                _seen(rec, message.epoch)
 
     def _on_message(self, now: float, peer: str, message: ControlMessage) -> None:
         if isinstance(message, Register):
@@ -296,7 +306,7 @@ class Producer(Endpoint):
         whole = isinstance(message, Abort) and epoch >= rec.max_epoch
         if isinstance(message, Abort) and not whole:
             self._counters["abort_of_older_epoch"] += 1
-        rec.max_epoch = max(rec.max_epoch, epoch)
+        _seen(rec, epoch)
         if whole:
             self._on_peer_abort(now, rec, epoch)
         else:
@@ -382,7 +392,7 @@ class Producer(Endpoint):
         if rec.state in (PState.RELEASED, PState.DRAINING):
             self._counters["register_after_release"] += 1
             return RejectReason.RELEASED
-        if msg.epoch <= rec.max_epoch:
+        if (msg.epoch, msg.attempt) <= (rec.max_epoch, rec.max_attempt):
             self._counters["register_stale"] += 1
             return RejectReason.SUPERSEDED
         return None
@@ -398,20 +408,24 @@ class Producer(Endpoint):
         known = self._tx.get(message.transfer_id)
         if known is not None and known.peer not in (None, peer):
             return  # another consumer's transfer: not this sender's to advance
-        if known is None or message.epoch > known.max_epoch:
+        newest = (message.epoch, message.attempt)
+        if known is None or newest > (known.max_epoch, known.max_attempt):
             rec = self._get(now, message.transfer_id)
             rec.peer = rec.peer or peer
-            rec.max_epoch = message.epoch
+            rec.max_epoch, rec.max_attempt = newest
             self._refuse(peer, message, RejectReason.STALLED)
 
     def _refuse(self, peer: str, msg: Register, reason: RejectReason) -> None:
-        self._out.append(Send(peer, Rejected(msg.transfer_id, msg.epoch, reason)))
+        reject = Rejected(msg.transfer_id, msg.epoch, reason, msg.attempt)
+        self._out.append(Send(peer, reject))
 
     def _accept(self, now: float, rec: _Transfer, peer: str, msg: Register) -> None:
         rec.peer = peer
-        rec.max_epoch = msg.epoch
+        rec.max_epoch, rec.max_attempt = msg.epoch, msg.attempt
         rec.timeline.registration_received = now
-        reg = _Reg(msg.epoch, peer, msg.blocks, now + msg.lease, msg.mode, msg.skip_tokens)
+        reg = _Reg(
+            msg.epoch, peer, msg.blocks, now + msg.lease, msg.mode, msg.skip_tokens, msg.attempt
+        )
         if rec.state in (PState.WRITING, PState.LENT):  # it waits for the live epoch
             if rec.pending is not None:
                 self._reject(rec, rec.pending, RejectReason.SUPERSEDED)
@@ -484,7 +498,8 @@ class Producer(Endpoint):
         return bool(rec.inflight) and rec.reg is not None and rec.reg.epoch == epoch
 
     def _reject(self, rec: _Transfer, reg: _Reg, reason: RejectReason) -> None:
-        self._out.append(Send(reg.peer, Rejected(rec.transfer_id, reg.epoch, reason)))
+        reject = Rejected(rec.transfer_id, reg.epoch, reason, reg.attempt)
+        self._out.append(Send(reg.peer, reject))
 
     def _rendezvous(self, now: float, rec: _Transfer) -> None:
         assert rec.reg is not None
@@ -704,3 +719,10 @@ _ENTER: dict[PState, _Entry] = {
     PState.RELEASED: Producer._release,
     PState.GONE: Producer._forget,
 }
+
+
+def _seen(rec: _Transfer, epoch: int) -> None:
+    """The consumer ended ``epoch`` (or was told to release it): no attempt of
+    it, nor of any older epoch, is taken from now on."""
+    if epoch >= rec.max_epoch:
+        rec.max_epoch, rec.max_attempt = epoch, _EVERY_ATTEMPT

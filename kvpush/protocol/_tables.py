@@ -94,6 +94,10 @@ class CState(_Enum):
     WAITING_PEER = "waiting_peer"
     #: Registration sent; waiting for completions (push) or the announce (pull).
     AWAITING = "awaiting"
+    #: The producer dropped the registration after a stall of its own
+    #: (``Rejected(STALLED)``: nothing was or will be taken); it is sent again,
+    #: as a new attempt of the same epoch, once the producer's stall guard passed.
+    RETRY_WAIT = "retry_wait"
     #: Pull: reads posted; waiting for them.
     READING = "reading"
     #: Pull: failed or withdrawn with reads in flight; waiting for them to settle.
@@ -120,6 +124,8 @@ class CInput(_Enum):
     PAIRS_SETTLED = "pairs_settled"  #: every pair completed or failed
     SETTLED = "settled"  #: producer: nothing in flight, nothing will start
     REJECTED = "rejected"  #: producer: registration refused
+    STALLED = "stalled"  #: producer: refused after its stall; retry (time and attempts left)
+    RETRY = "retry"  #: timer: register again
     PEER_ABORT = "peer_abort"  #: producer aborted the transfer
     ANNOUNCE = "announce"  #: pull: the producer's KV is ready
     READ_OK = "read_ok"  #: pull: a read finished, not the last
@@ -137,6 +143,18 @@ _CONSUMER_COMMON: dict[tuple[CState, CInput], CState] = {
     (_C.WAITING_PEER, _I.PREEMPT): _C.RELEASED,
     (_C.WAITING_PEER, _I.ABORT): _C.RELEASED,
     (_C.WAITING_PEER, _I.DEADLINE): _C.RELEASED,
+    (_C.AWAITING, _I.STALLED): _C.RETRY_WAIT,
+    # Nothing of this epoch was taken, and no attempt is out: the blocks are
+    # free at once, whatever ends it. A copy of the refused attempt answered
+    # again (SUPERSEDED, STALLED) changes nothing.
+    (_C.RETRY_WAIT, _I.RETRY): _C.AWAITING,
+    (_C.RETRY_WAIT, _I.REJECTED): _C.RETRY_WAIT,
+    (_C.RETRY_WAIT, _I.STALLED): _C.RETRY_WAIT,
+    (_C.RETRY_WAIT, _I.PREEMPT): _C.RELEASED,
+    (_C.RETRY_WAIT, _I.ABORT): _C.RELEASED,
+    (_C.RETRY_WAIT, _I.DEADLINE): _C.RELEASED,
+    (_C.RETRY_WAIT, _I.PEER_DOWN): _C.RELEASED,
+    (_C.RETRY_WAIT, _I.PEER_ABORT): _C.RELEASED,
 }
 
 CONSUMER_PUSH: Mapping[tuple[CState, CInput], CState] = {

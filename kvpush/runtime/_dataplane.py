@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -98,7 +99,13 @@ Result = OpResult | NoticeIn
 
 
 class DataPlane:
-    """Owns the local ranks' transports and the thread that drives them."""
+    """Owns the local ranks' transports and the thread that drives them.
+
+    After a poll that brought nothing the thread waits for a command for
+    ``inflight_poll_interval`` seconds while an op is posted,
+    ``busy_poll_interval`` for ``busy_for`` seconds after any command or
+    result, else ``poll_interval`` (see :meth:`_nap`); each is capped by the
+    one after it."""
 
     def __init__(
         self,
@@ -109,13 +116,28 @@ class DataPlane:
         on_results: Callable[[list[Result]], None] | None = None,
         *,
         poll_interval: float = 0.0002,
+        busy_poll_interval: float = 0.00005,
+        inflight_poll_interval: float = 0.00002,
+        busy_for: float = 0.05,
     ) -> None:
+        for name, value in (
+            ("poll_interval", poll_interval),
+            ("busy_poll_interval", busy_poll_interval),
+            ("inflight_poll_interval", inflight_poll_interval),
+            ("busy_for", busy_for),
+        ):
+            if not 0 <= value < math.inf:
+                raise KvpushError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         self.role = role
         self.ranks = dict(ranks)
         self.tp = tp
         self.codec = codec
         self._on_results: Callable[[list[Result]], None] = on_results or _unbound
         self._poll_interval = poll_interval
+        self._busy_poll_interval = min(busy_poll_interval, poll_interval)
+        self._inflight_poll_interval = min(inflight_poll_interval, self._busy_poll_interval)
+        self._busy_for = busy_for
+        self._busy_until = 0.0  # poll at the busy interval until then (monotonic)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._peers: dict[str, PeerRanks] = {}
         self._agents: dict[tuple[str, int], str] = {}
@@ -200,6 +222,7 @@ class DataPlane:
                     if not (completed or notices):
                         continue
                     now = time.monotonic()
+                    self._busy_until = now + self._busy_for
                     for c in completed:
                         posted = self._posted.pop((index, c.handle), None)
                         if posted is not None:
@@ -210,20 +233,42 @@ class DataPlane:
                         notice = self.codec.decode_notice(n.payload)
                         results.append(NoticeIn(notice, self._senders.get(n.peer), now))
                     busy = busy or bool(completed or notices)
+                command = None
                 if results:
                     self._on_results(results)
-                command = None
-                if not busy:
-                    # Idle: wait for a command, but poll again within the
-                    # interval (notices arrive without any command).
+                    # The loop just woken needs the GIL: block briefly (a
+                    # command still wakes us at once) rather than poll again
+                    # at once and keep it waiting for a whole round.
+                    nap = self._inflight_poll_interval
+                else:
+                    nap = 0.0 if busy else self._nap()
+                if nap > 0:
                     with contextlib.suppress(queue.Empty):
-                        command = self._inbox.get(timeout=self._poll_interval)
+                        command = self._inbox.get(timeout=nap)
         except BaseException as exc:  # surfaced by the runtime, never swallowed
             log.exception("data-plane thread failed")
             self.error = exc
         finally:
             if command is not None:  # taken but not run: stop() reports it
                 self._inbox.put(command)
+
+    def _nap(self) -> float:
+        """How long to wait for a command before polling again, when the last
+        poll brought nothing (notices arrive without any command).
+
+        NIXL over UCX settles a write only when the *target* progresses
+        (polls) and sends its notice only when the *initiator* does, so a
+        notice costs a target poll, an initiator poll and a target poll
+        again (``benchmarks/wire.py``, docs/runtime.md): while an op is posted
+        ``inflight_poll_interval``; for ``busy_for`` seconds after any
+        command or result ``busy_poll_interval``; otherwise (idle)
+        ``poll_interval``, since every wake-up costs CPU the other side's
+        copy may need (about 50 us of CPU each on a 2-core host)."""
+        if self._posted:
+            return self._inflight_poll_interval
+        if time.monotonic() < self._busy_until:
+            return self._busy_poll_interval
+        return self._poll_interval
 
     def _take_commands(self, first: tuple[str, object] | None) -> list[Result]:
         results: list[Result] = []
@@ -235,6 +280,7 @@ class DataPlane:
                     kind, item = self._inbox.get_nowait()
                 except queue.Empty:
                     return results
+            self._busy_until = time.monotonic() + self._busy_for
             if kind == "peer":
                 assert isinstance(item, PeerRanks)
                 try:

@@ -218,6 +218,7 @@ class TransferPlanner:
         "_classes",
         "_dst_groups",
         "_limits",
+        "_py",
         "_ratio",
         "allow_strided",
         "consumer",
@@ -264,6 +265,7 @@ class TransferPlanner:
             self._ratio.append((bp // min(bp, bc), bc // min(bp, bc)))
             self._limits.append((p.num_blocks, c.num_blocks))
         self._classes = self._classify()
+        self._py = tuple(_PyClass.of(cls) for cls in self._classes)
 
     def _check_pair(self, p: Region, c: Region) -> None:
         if p.group != c.group:
@@ -396,6 +398,9 @@ class TransferPlanner:
                 raise LocalProtocolError(f"{what} must list block ids for {want} KV group(s)")
         if type(skip_tokens) is not int or skip_tokens < 0:
             raise LocalProtocolError(f"skip_tokens must be a non-negative int, got {skip_tokens!r}")
+        small = _small_plan(self, src_blocks, dst_blocks, skip_tokens)
+        if small is not None:
+            return small
         chunks = [self._chunks(g, src_blocks[g], dst_blocks[g], skip_tokens) for g in range(groups)]
         return self._assemble(chunks)
 
@@ -527,6 +532,175 @@ def _block_ids(ids: object, side: str, group: int, limit: int, *, unique: bool) 
                 "listed twice"
             )
     return out
+
+
+#: Block lists up to this long (per KV group and side), and plans of up to this
+#: many template pieces, take :func:`_small_plan`. Measured with
+#: ``benchmarks/plan.py --small`` (2-core host): the numpy path's fixed cost is
+#: about 45 us warm and 250-500 us right after a large copy has flushed the
+#: caches (the case that matters: the previous transfer just ran); plain Python
+#: costs about 0.1-0.2 us per piece.
+SMALL_PLAN_BLOCKS = 128
+SMALL_PLAN_PIECES = 512
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _PyClass:
+    """A :class:`_Class` as plain Python values, for :func:`_small_plan`."""
+
+    group: int
+    regions: tuple[int, ...]
+    lengths: tuple[int, ...]
+    #: Per side (source, destination): block stride, chunk stride, piece
+    #: offsets; then per region of the class its base address and device.
+    strides: tuple[tuple[int, int], tuple[int, int]]
+    offsets: tuple[tuple[int, ...], tuple[int, ...]]
+    contiguous: bool
+    #: ``(2, regions)`` base addresses, ``(2, regions, 1)`` devices (uint64).
+    base: U64
+    dev: U64
+
+    @staticmethod
+    def of(c: _Class) -> _PyClass:
+        return _PyClass(
+            c.group,
+            tuple(int(r) for r in c.regions),
+            tuple(int(n) for n in c.lengths),
+            ((c.src.stride, c.src.sub), (c.dst.stride, c.dst.sub)),
+            (tuple(c.src.offsets.tolist()), tuple(c.dst.offsets.tolist())),
+            c.contiguous,
+            np.stack((c.src.base, c.dst.base)),
+            np.stack((c.src.dev, c.dst.dev))[:, :, None],
+        )
+
+
+_PyChunks = tuple[list[int], list[int], list[int], list[int]]
+
+
+def _small_chunks(
+    pl: TransferPlanner, g: int, src: object, dst: object, skip: int
+) -> _PyChunks | None:
+    """:meth:`TransferPlanner._chunks` in plain Python; ``None`` when the lists
+    are long or anything is wrong (the numpy path then plans, or raises)."""
+    if not isinstance(src, (tuple, list)) or not isinstance(dst, (tuple, list)):
+        return None
+    ns, nd = len(src), len(dst)
+    if ns > SMALL_PLAN_BLOCKS or nd > SMALL_PLAN_BLOCKS:
+        return None
+    limit_s, limit_d = pl._limits[g]
+    for ids, limit in ((src, limit_s), (dst, limit_d)):
+        for x in ids:
+            if type(x) is not int or not 0 <= x < limit:
+                return None
+    if len(set(dst)) != nd:
+        return None
+    chunk = pl._chunk[g]
+    rs, rd = pl._ratio[g]
+    bp, bc = chunk * rs, chunk * rd
+    if skip % bc:
+        return None
+    lo_p, hi_p = max(0, (ns - 1) * bp + 1), ns * bp
+    lo_d, hi_d = skip + max(0, (nd - 1) * bc + 1), skip + nd * bc
+    if max(lo_p, lo_d) > min(hi_p, hi_d):
+        return None
+    first, end = skip // chunk, min(hi_p, hi_d) // chunk
+    n = end - first
+    if rs == 1:
+        sblk, ssub = list(src[first:end]), [0] * n
+    else:
+        sblk = [src[i // rs] for i in range(first, end)]
+        ssub = [i % rs for i in range(first, end)]
+    if rd == 1:
+        dblk, dsub = list(dst[:n]), [0] * n
+    else:
+        dblk, dsub = [dst[j // rd] for j in range(n)], [j % rd for j in range(n)]
+    return sblk, ssub, dblk, dsub
+
+
+def _small_runs(c: _PyClass, ch: _PyChunks) -> tuple[list[int], list[int], list[int]]:
+    """One class's merged runs (relative offsets, lengths), as in ``_assemble``."""
+    sblk, ssub, dblk, dsub = ch
+    (s_stride, s_sub), (d_stride, d_sub) = c.strides
+    offs_s, offs_d = c.offsets
+    pieces = tuple(zip(offs_s, offs_d, c.lengths, strict=True))
+    run_s: list[int] = []
+    run_d: list[int] = []
+    run_l: list[int] = []
+    end_s = end_d = -1
+    for k in range(len(sblk)):
+        base_s = sblk[k] * s_stride + ssub[k] * s_sub
+        base_d = dblk[k] * d_stride + dsub[k] * d_sub
+        for o_s, o_d, n in pieces:
+            a, b = base_s + o_s, base_d + o_d
+            if a == end_s and b == end_d:
+                run_l[-1] += n
+            else:
+                run_s.append(a)
+                run_d.append(b)
+                run_l.append(n)
+            end_s, end_d = a + n, b + n
+    return run_s, run_d, run_l
+
+
+def _small_plan(
+    pl: TransferPlanner, src_blocks: Sequence[object], dst_blocks: Sequence[object], skip: int
+) -> TransferPlan | None:
+    """The plan the numpy path makes, in plain Python, for small transfers (the
+    demo's, and large blocks): a handful of numpy calls instead of about fifty.
+    ``None`` when the transfer is large or the inputs need the numpy path's
+    checks; ``tests/test_plan.py`` checks that both paths agree."""
+    chunks: list[_PyChunks] = []
+    for g in range(len(pl._chunk)):
+        ch = _small_chunks(pl, g, src_blocks[g], dst_blocks[g], skip)
+        if ch is None:
+            return None
+        chunks.append(ch)
+    if sum(len(chunks[c.group][0]) * len(c.lengths) for c in pl._py) > SMALL_PLAN_PIECES:
+        return None
+    counts = [0] * len(pl.pairs)
+    runs = []
+    pieces = nbytes = 0
+    for c in pl._py:
+        r = _small_runs(c, chunks[c.group])
+        runs.append(r)
+        pieces += len(chunks[c.group][0]) * len(c.lengths) * len(c.regions)
+        nbytes += sum(r[2]) * len(c.regions)
+        for region in c.regions:
+            counts[region] = len(r[0])
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    both = np.empty((2, starts[-1], 3), dtype=np.uint64)
+    for c, (run_s, run_d, run_l) in zip(pl._py, runs, strict=True):
+        m = len(run_l)
+        if not m:
+            continue
+        rel = np.array((run_s, run_d), dtype=np.uint64)
+        if c.contiguous:
+            lo = starts[c.regions[0]]
+            view = both[:, lo : lo + len(c.regions) * m].reshape(2, len(c.regions), m, 3)
+            np.add(c.base[:, :, None], rel[:, None, :], out=view[..., 0])
+            view[..., 1] = run_l
+            view[..., 2] = c.dev
+        else:
+            for j, region in enumerate(c.regions):
+                view = both[:, starts[region] : starts[region] + m]
+                np.add(c.base[:, j, None], rel, out=view[..., 0])
+                view[..., 1] = run_l
+                view[..., 2] = c.dev[:, j]
+    region_rows = np.array(starts, dtype=np.int64)
+    _readonly(both)
+    _readonly(region_rows)
+    arrays = [np.array(ch, dtype=np.int64).reshape(4, -1) for ch in chunks]
+    return TransferPlan(
+        both[0],
+        both[1],
+        region_rows,
+        nbytes,
+        pieces,
+        tuple(pl._classes),
+        tuple(_Chunks(a[0], a[1], a[2], a[3]) for a in arrays),
+    )
 
 
 def plan_transfer(

@@ -93,6 +93,7 @@ _EXCLUDED: dict[type[Any], dict[str, str]] = {
         "nblocks": "derived: the number of ids in blocks",
         "topology": "derived: the handshake's topology, set when WAITING_PEER is left",
         "total": "derived: topology.expected_total",
+        "retry_at": "derived: the RETRY timer's time, keyed in timers",
     },
     _Transfer: {
         "timeline": "history: timestamps reported to the caller, read by no decision",

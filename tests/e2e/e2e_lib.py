@@ -64,12 +64,12 @@ def skip_reason() -> str | None:
     return None
 
 
-
 def skip_unless_e2e_venv() -> None:
     """Skip the calling test module unless this is the e2e venv."""
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason, allow_module_level=True)
+
 
 def make_model(work: Path, shape: str) -> Path:
     t0 = time.monotonic()
@@ -154,14 +154,16 @@ def engine(
     return Engine(name, f"http://127.0.0.1:{port}", proc, block_size, role, ctrl, dump)
 
 
-def router(name: str, logs: Path, prefill: Engine, decode: Engine) -> Engine:
+def router(
+    name: str, logs: Path, prefill: Engine, decode: Engine, args: Sequence[str] = ()
+) -> Engine:
     port = free_port()
     argv = [
         sys.executable, "-m", "kvpush", "router",
         "--prefill", f"{prefill.url}@127.0.0.1:{prefill.ctrl}",
         "--decode", decode.url,
         "--port", str(port), "--block-size", str(decode.block_size),
-        "--timeout", str(REQUEST_TIMEOUT),
+        "--timeout", str(REQUEST_TIMEOUT), *args,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "PYTHONUNBUFFERED": "1"}
     proc = Proc(name, argv, logs / f"{name}.log", env)

@@ -181,7 +181,7 @@ def test_a_decode_request_aborted_while_loading_keeps_its_blocks_until_released(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     port = free_port()
-    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {"port": port})
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {**FAST, "port": port})
     decode = Engine(make_scheduler, make_worker_connector, "kv_consumer", FAST)
     params = TransferParams("kvp-abort", "decode", Mode.PUSH, f"127.0.0.1:{port}").to_params()
     decode.scheduler.add_request(make_request("d3", list(range(3, 43)), 2, params))
