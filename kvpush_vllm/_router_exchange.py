@@ -193,8 +193,11 @@ class Exchange:
             await self._conn.send_data(chunk)
         if self._conn.can_respond:
             await self._conn.start(status, head)
-        await self._conn.end()
+        # Decoded once the last bytes are handed over: the client may read them
+        # and hang up before end() returns, and that hang-up must not count as
+        # leaving mid-answer (it would cut the prefill leg's grace short).
         self._decoded = True
+        await self._conn.end()
 
     async def _report(self, failure: Failure) -> bool:
         """Tell the client: an HTTP error if no head went out yet, else an SSE
