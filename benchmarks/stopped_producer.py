@@ -1,17 +1,20 @@
-"""A prefill stopped (SIGSTOP) *with a write posted*, then resumed after the
-decode's quarantine: does the rest of the write land in the reused blocks?
+"""A prefill stopped (SIGSTOP) *with a write posted*, resumed long after the
+decode's quarantine: does the rest of the write land in reused blocks?
 
     .venv/bin/python benchmarks/stopped_producer.py            # loopback's defaults
     .venv/bin/python benchmarks/stopped_producer.py --tls tcp  # UCX over TCP
 
-Prints JSON: the blocks of the victim request that hold neither the reusing
-request's bytes nor were left alone (``corrupt_blocks``, 0 is right). This
-measures assumption A2 of docs/protocol.md ("Timing"): a posted write settles
-within ``op_bound``. On loopback's default UCX transports the write is copied
-while it is posted, so nothing is left to land late. Over TCP the rest of the
-write sits in UCX until the process runs again and lands then, after the
-decode reused the blocks: a known limitation (docs/runtime.md, "Open work").
-A real RDMA fabric executes posted work requests whatever the process does.
+Prints JSON: whether the decode released the victim's blocks while the
+prefill was stopped (``released_while_stopped``: false is right), how many it
+held as suspect meanwhile, when it released them, and the blocks of the victim
+request that hold neither the reusing request's bytes nor were left alone
+(``corrupt_blocks``: 0 is right). The decode reuses the blocks the moment it
+releases them. Over UCX's TCP transport the rest of the write sits in the
+stopped prefill's UCX and lands when it resumes; a decode that released at
+its quarantine (the timing assumption A2, before the suspect hold) had reused
+the blocks by then: 48 of 48 corrupt. Now the quarantine finds the prefill
+connected and silent, the blocks are held as suspect, and only the write's
+completion, after SIGCONT, releases them (docs/protocol.md, "Timing").
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from nixl_procs import sides, spec
 from kvpush.protocol import Role
 
 REUSED = 9
+#: How long the prefill stays stopped after the decode's quarantine.
+STOPPED_AFTER_S = 2.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,10 +59,24 @@ def main(argv: list[str] | None = None) -> int:
         os.kill(p.proc.pid, signal.SIGSTOP)
         try:
             assert d("pause", False) == ("ok",)
-            released = d.wait(("Released",), "victim", 30)[0]
-            assert d("fill", dst, REUSED) == ("ok",)  # another request's KV
+            d.wait(("Failed",), "victim", 30)
+            # Past the quarantine (ready_timeout 3 + max_transit 0.5 + op_bound 1).
+            suspect = 0
+            give_up = time.monotonic() + 15
+            while time.monotonic() < give_up:
+                counts = d("counts")
+                suspect = counts[7] if len(counts) > 7 else 0
+                if suspect or d("wait", ("Released",), "victim", 0.05, 1)[0] == "event":
+                    break
+            time.sleep(STOPPED_AFTER_S)  # the prefill stays stopped a while longer
+            released_early = d("wait", ("Released",), "victim", 0.1, 1)[0] == "event"
+            if released_early:
+                assert d("fill", dst, REUSED) == ("ok",)  # reused at once
         finally:
             os.kill(p.proc.pid, signal.SIGCONT)
+        released = d.wait(("Released",), "victim", 30)[0]
+        if not released_early:
+            assert d("fill", dst, REUSED) == ("ok",)  # reused once released
         time.sleep(1.0)
         corrupt = d("bad_blocks", dst, REUSED, 0)[1]
     print(
@@ -66,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ucx_tls": args.tls or "default",
                 "write_bytes": 48 * 2 * 2 * args.tokens * 4 * 64,
                 "blocks_landed_before_the_stop": landed_before,
+                "released_while_stopped": released_early,
+                "suspect_blocks_while_stopped": suspect,
                 "released_after_reserve_s": round(released["released_after_reserve"], 3),
                 "corrupt_blocks": len(corrupt),
             }

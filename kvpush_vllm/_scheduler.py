@@ -118,6 +118,9 @@ class SchedulerSide:
         self._by_key: dict[_Key, _Transfer] = {}
         self._key_of: dict[str, _Key] = {}  # req id -> its live transfer
         self._done: set[str] = set()  # decode req ids whose load ended
+        #: Decode req ids vLLM asked about but could not allocate for yet ->
+        #: when we last asked their prefill to keep the KV (``keep``).
+        self._waiting: dict[str, float] = {}
         self._reports = Reports()
         side = "prefill" if role is Role.PRODUCER else "decode"
         self.breakdown = Breakdown(config.timeline_file, side)
@@ -181,15 +184,33 @@ class SchedulerSide:
             return 0
         if req_id in self._key_of:
             return 0  # already registered: vLLM asks again while it waits
-        self.breakdown.stamp(
-            req_id, "arrived", transfer_id=params.transfer_id, mode=params.mode.value
-        )
+        if req_id in self._waiting:
+            self._keep(req_id, params)  # asked again: no blocks for it yet
+        else:
+            self._waiting[req_id] = time.monotonic()
+            self.breakdown.stamp(
+                req_id, "arrived", transfer_id=params.transfer_id, mode=params.mode.value
+            )
         return max(0, prompt - computed)
+
+    def _keep(self, req_id: str, params: TransferParams) -> None:
+        """The request waits for blocks while its prefill may hold the KV for
+        ``kv_hold_timeout`` only: ask it to keep the KV, every third of that
+        (:meth:`Consumer.keep`; the first call also starts the handshake)."""
+        now = time.monotonic()
+        if now - self._waiting[req_id] < self.config.kv_hold_timeout / 3:
+            return
+        self._waiting[req_id] = now
+        host, port = params.peer_address()
+        sync, channel = self._running()
+        sync.call(channel.add_route, params.peer, host, port)
+        sync.call(sync.runtime.keep, params.transfer_id, params.peer)
 
     def reserve(
         self, req_id: str, params: TransferParams, blocks: list[int], skip_tokens: int
     ) -> None:
         """Reserve ``blocks`` and register them with the prefill (``params.peer``)."""
+        self._waiting.pop(req_id, None)
         host, port = params.peer_address()
         mode = params.mode
         sync, channel = self._running()
@@ -235,6 +256,7 @@ class SchedulerSide:
 
     def finished_decode(self, req_id: str) -> bool:
         """vLLM finished the request; True if its blocks must wait (a load in flight)."""
+        self._waiting.pop(req_id, None)
         with self._lock:
             key = self._key_of.get(req_id)
             tr = self._by_key.get(key) if key is not None else None

@@ -342,7 +342,8 @@ class Side:
             # Seconds since this process last noticed it had stalled (inf: never).
             quiet = time.monotonic() - runtime.watch.gap_ended
             chaos = (self.chaos.duplicated, self.chaos.reordered)
-            return ("counts", reserved, held, dp.posted, dp.posted_prepped, quiet, chaos)
+            suspect = getattr(ep, "suspect_blocks", 0)
+            return ("counts", reserved, held, dp.posted, dp.posted_prepped, quiet, chaos, suspect)
         raise ValueError(f"unknown command {kind!r}")
 
     async def _wait(self, kinds: tuple[str, ...], tid: str, timeout: float, nth: int = 1) -> Any:

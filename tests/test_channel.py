@@ -26,6 +26,7 @@ from kvpush.protocol import (
     Codec,
     ConfigError,
     ControlMessage,
+    Extend,
     Heartbeat,
     Hello,
     HelloReject,
@@ -36,6 +37,7 @@ from kvpush.protocol import (
     Rejected,
     RejectReason,
     RemoteProtocolError,
+    Renew,
     Role,
     Settled,
     Source,
@@ -96,6 +98,9 @@ ALL_MESSAGES: list[ControlMessage] = [
     WriteFailed("t-1", 3, Source(1, 0), 0, "boom"),
     Announce("t-2", 1, ((5, 6),), 2.0),
     ReadDone("t-2", 1, True),
+    Renew("t-3", 4),
+    Renew("t-3", 0),  # a consumer's keep request
+    Extend("t-3", 4, 2, 12.5),
     Heartbeat(7),
 ]
 

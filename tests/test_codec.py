@@ -26,6 +26,7 @@ from kvpush.protocol import (
     Completion,
     ConfigError,
     ControlMessage,
+    Extend,
     HeadOrder,
     Heartbeat,
     Hello,
@@ -40,6 +41,7 @@ from kvpush.protocol import (
     Rejected,
     RejectReason,
     RemoteProtocolError,
+    Renew,
     Role,
     Settled,
     Source,
@@ -216,6 +218,8 @@ messages: st.SearchStrategy[ControlMessage] = st.one_of(
     st.builds(WriteFailed, ids, epochs, sources, ranks, details),
     st.builds(Announce, ids, epochs, block_ids, leases),
     st.builds(ReadDone, ids, epochs, st.booleans()),
+    st.builds(Renew, ids, epochs),
+    st.builds(Extend, ids, epochs, attempts, leases),
     st.builds(Heartbeat, u64s),
 )
 completions = st.builds(Completion, ids, epochs, sources, ranks)
@@ -342,6 +346,13 @@ def test_golden_bytes() -> None:
     # Rejected: the reason by value, then the attempt.
     rejected = Rejected("t", 1, RejectReason.STALLED, 1)
     assert PLAIN.encode(rejected) == b"KVP\x01\x07\x00\x94\xa1t\x01\xa7stalled\x01"
+    # Renew (type 12): the key only; epoch 0 is a consumer's keep request.
+    assert PLAIN.encode(Renew("t", 2)) == b"KVP\x01\x0c\x00\x92\xa1t\x02"
+    assert PLAIN.encode(Renew("t", 0)) == b"KVP\x01\x0c\x00\x92\xa1t\x00"
+    # Extend (type 13): the key, the attempt, then the lease as a float64.
+    assert PLAIN.encode(Extend("t", 2, 1, 0.5)) == (
+        b"KVP\x01\x0d\x00\x94\xa1t\x02\x01\xcb?\xe0" + b"\x00" * 6
+    )
     # Hello: fixarray of 15; op_bound then max_transit (float64 each); no
     # layout is an empty bin (c4 00), then the ranks last: an array of bins,
     # here empty (90).
@@ -350,7 +361,7 @@ def test_golden_bytes() -> None:
         + b"\x00" * 6
         + b"\xcb@"
         + b"\x00" * 7
-        + b"\x90\x92\xa4push\xa4pull\x02"  # the protocol version, 2 since Register.attempt
+        + b"\x90\x92\xa4push\xa4pull\x03"  # the protocol version, 3 since Renew and Extend
     )
     assert PLAIN.encode(HELLO) == b"KVP\x01\x01\x00" + hello_head + b"\xc4\x00\x90"
     # Rank blobs are bins in rank order, as given: bin8 up to 255 bytes, then bin16.
@@ -777,6 +788,11 @@ H = HELLO
         WriteFailed("t", 1, (0, 0), 0),  # type: ignore[arg-type]
         Rejected("t", 1, "released"),  # type: ignore[arg-type]
         ReadDone("t", 1, None),  # type: ignore[arg-type]
+        Renew("t", -1),
+        Renew("", 1),
+        Extend("t", 1, 256, 1.0),
+        Extend("t", 1, 0, -1.0),
+        Extend("t", 1, 0, math.nan),
         Heartbeat(-1),
         NOTICE,  # a notice is not a control message
         "not a message",
@@ -1011,7 +1027,7 @@ def test_unknown_version() -> None:
             PLAIN.decode_notice(bytes(notice))
 
 
-@pytest.mark.parametrize("code", [0, 12, 99, 255])
+@pytest.mark.parametrize("code", [0, 14, 99, 255])
 def test_unknown_type_byte(code: int) -> None:
     with pytest.raises(RemoteProtocolError, match=f"unknown message type {code}"):
         PLAIN.decode(frame(code, ["t", 1]))
@@ -1060,7 +1076,7 @@ def test_bad_magic_or_short_notice(data: bytes) -> None:
 # back to the valid body's value it decodes (checked in the test), so no case
 # can pass by failing on the field count or on some other field.
 VALID_WIRE: dict[type[Any], list[Any]] = {
-    Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, 2.0, [], ["push"], 2, b"", []],
+    Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, 2.0, [], ["push"], 3, b"", []],
     HelloReject: ["f", "d"],
     Register: ["t", 1, "c", [b""], 1.0, "push", 0, 0],
     Withdraw: ["t", 1],
@@ -1070,6 +1086,8 @@ VALID_WIRE: dict[type[Any], list[Any]] = {
     WriteFailed: ["t", 1, [0, 0], 0, ""],
     Announce: ["t", 1, [b""], 1.0],
     ReadDone: ["t", 1, True],
+    Renew: ["t", 1],
+    Extend: ["t", 1, 0, 1.0],
     Heartbeat: [1],
 }
 
@@ -1190,6 +1208,15 @@ DECODE_CASES: list[tuple[int, list[Any], str]] = [
     (8, ["t", 1, [0, 0], 1024, ""], "consumer_rank"),
     (8, ["t", 1, [0, 0], 0, 1], "detail"),
     (10, ["t", 1, 1], "ok"),
+    (12, ["t", -1], "epoch"),
+    (12, ["", 0], "transfer_id"),
+    (13, ["t", 1, -1, 1.0], "attempt"),
+    (13, ["t", 1, 256, 1.0], "attempt"),
+    (13, ["t", 1, True, 1.0], "attempt"),
+    (13, ["t", 1, 0, 1], "lease"),  # seconds travel as floats
+    (13, ["t", 1, 0, -1.0], "lease"),
+    (13, ["t", 1, 0, math.nan], "lease"),
+    (13, ["t", 1, 0, math.inf], "lease"),
     (11, [-1], "seq"),
     (11, [-(1 << 63)], "seq"),
     (7, ["t", 1, "no_such_reason", 0], "reason"),
@@ -1292,7 +1319,7 @@ def test_bodies_of_older_formats_are_refused() -> None:
     assert RANKS_AT == len(HELLO_FIELDS) - 1 == 14
     at = HELLO_FIELDS.index("max_transit")
     before_transit = VALID_WIRE[Hello][:at] + VALID_WIRE[Hello][at + 1 :]
-    assert before_transit == ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 2, b"", []]
+    assert before_transit == ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, [], ["push"], 3, b"", []]
     before_ranks = before_transit[:-1]
     old_hellos = [
         before_transit,

@@ -11,13 +11,16 @@ from kvpush.protocol import (
     Abort,
     Announce,
     Completion,
+    ConfigError,
     Consumer,
     ConsumerConfig,
     ControlMessage,
     CState,
+    Extend,
     Failed,
     FailureReason,
     Heartbeat,
+    Hello,
     Identity,
     LocalProtocolError,
     Mode,
@@ -31,6 +34,7 @@ from kvpush.protocol import (
     Rejected,
     RejectReason,
     Released,
+    Renew,
     Reserved,
     Role,
     Send,
@@ -99,7 +103,8 @@ def test_ready_exactly_once_after_exact_set() -> None:
     c.completion_received(1.5, P, notice(e, tp=0))
     assert c.drain() == []
     c.completion_received(2.0, P, notice(e, tp=1))
-    (ready,) = c.drain()
+    ack, ready = c.drain()
+    assert ack == Send(P, ReadDone("t1", e, True))  # ends the producer's hold of the KV
     assert isinstance(ready, Ready)
     assert (ready.transfer_id, ready.epoch, ready.blocks) == ("t1", e, ((1, 2),))
     c.completion_received(2.5, P, notice(e, tp=1))
@@ -130,7 +135,9 @@ def test_ready_needs_every_expected_pair(
         assert c.drain() == []
     tp, rank, stage = pairs[-1]
     c.completion_received(1.0, P, notice(e, tp=tp, rank=rank, pp=stage))
-    assert kinds(c.drain()) == [Ready]
+    out = c.drain()
+    assert kinds(out) == [Send, Ready]
+    assert out[0] == Send(P, ReadDone("t1", e, True))
 
 
 @pytest.mark.parametrize(
@@ -170,10 +177,14 @@ def test_unexpected_completion_ignored_and_counted(case: str, counter: str) -> N
     assert c.stats()[counter] == stats.get(counter, 0) + 1
     # the legitimate last completion still makes it ready
     c.completion_received(3.0, P, notice(e, tp=1))
-    assert kinds(c.drain()) == [Ready]
+    out = c.drain()
+    assert kinds(out) == [Send, Ready]
+    assert out[0] == Send(P, ReadDone("t1", e, True))
 
 
 def test_deadline_fails_then_releases_after_quarantine() -> None:
+    """With the producer lost meanwhile (see the SUSPECT tests for a producer
+    still connected at the quarantine)."""
     c = make(ready_timeout=30.0)
     e = reserve(c)
     c.drain()
@@ -187,6 +198,9 @@ def test_deadline_fails_then_releases_after_quarantine() -> None:
     ]
     assert c.reservations() == [("t1", e, CState.DRAINING)]
     assert c.reserved_blocks == 2
+    c.peer_lost(31.0, P)
+    assert c.drain() == []  # failed already; the quarantine still runs
+    assert c.reservations() == [("t1", e, CState.DRAINING)]
     # deadline + our max transit + the producer's op bound
     quarantine = 30.0 + TIMING.max_transit + P_OP_BOUND
     assert c.next_deadline() == quarantine
@@ -198,6 +212,7 @@ def test_deadline_fails_then_releases_after_quarantine() -> None:
     assert (released.transfer_id, released.epoch, released.blocks) == ("t1", e, ((1, 2),))
     assert released.timeline.failed == 30.0
     assert released.timeline.released == quarantine
+    assert released.timeline.suspect is None
     assert c.reservations() == []
     assert c.reserved_blocks == 0
     assert c.next_deadline() is None
@@ -261,7 +276,8 @@ def test_preempt_withdraws_and_old_epoch_never_readies_new_one() -> None:
     c.completion_received(4.0, P, notice(e2, tp=0))
     assert c.drain() == []
     c.completion_received(4.0, P, notice(e2, tp=1))
-    (ready,) = c.drain()
+    ack, ready = c.drain()
+    assert ack == Send(P, ReadDone("t1", e2, True))
     assert isinstance(ready, Ready)
     assert (ready.epoch, ready.blocks) == (e2, ((3, 4),))
 
@@ -444,6 +460,278 @@ def test_mode_unsupported_is_refused() -> None:
     assert reply == Refused("t1", RefuseReason.MODE_UNSUPPORTED)
 
 
+# --- SUSPECT: the quarantine passed with the producer connected ---------------------
+
+#: When a reservation failed at its deadline (30.0) can no longer be written to,
+#: by the timing bounds alone.
+QUARANTINE = 30.0 + TIMING.max_transit + P_OP_BOUND
+
+
+def suspect(c: Consumer, tid: str = "t1") -> int:
+    """Reserve ``tid`` at 0.0, let its deadline fail it and its quarantine pass
+    with the producer connected: the reservation is SUSPECT."""
+    e = reserve(c, tid)
+    c.handle_timer(30.0)
+    c.drain()
+    c.handle_timer(QUARANTINE)
+    assert c.drain() == [Send(P, Withdraw(tid, e))]  # the first probe
+    assert (tid, e, CState.SUSPECT) in c.reservations()
+    return e
+
+
+def test_quarantine_with_the_producer_connected_holds_the_blocks_as_suspect() -> None:
+    c = make()
+    e = reserve(c)
+    c.handle_timer(30.0)
+    c.drain()
+    c.handle_timer(QUARANTINE - 0.001)
+    assert c.drain() == []
+    c.handle_timer(QUARANTINE)
+    # No Released: the producer is connected and has not settled the epoch, so
+    # one of its writes may still land (it may be stopped, not dead).
+    assert c.drain() == [Send(P, Withdraw("t1", e))]
+    assert c.reservations() == [("t1", e, CState.SUSPECT)]
+    assert c.reserved_blocks == 2
+    assert c.suspect_blocks == c.suspect_blocks_of(P) == 2
+    assert c.suspect_blocks_of("another-prefill") == 0
+    assert c.stats()["suspect"] == 1
+    for _ in range(20):  # the probes; no timer ends it
+        when = c.next_deadline()
+        assert when is not None
+        c.handle_timer(when)
+    assert [type(o.message) for o in c.drain() if isinstance(o, Send)] == [Hello, Withdraw] * 20
+    assert c.reservations() == [("t1", e, CState.SUSPECT)]
+    assert c.reserved_blocks == 2
+
+
+@pytest.mark.parametrize("how", ["lost", "restarted"])
+def test_quarantine_with_the_producer_gone_releases(how: str) -> None:
+    """Lost, or back as another instance (which speaks for none of the old
+    one's writes): the quarantine releases, as it always did."""
+    c = make()
+    e = reserve(c)
+    c.handle_timer(30.0)
+    c.drain()
+    if how == "lost":
+        c.peer_lost(31.0, P)
+    else:
+        c.receive(31.0, P, Identity(P, 2).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit))
+        assert PeerReady in kinds(c.drain())
+    c.drain()
+    c.handle_timer(QUARANTINE)
+    (released,) = c.drain()
+    assert isinstance(released, Released)
+    assert (released.epoch, released.timeline.released) == (e, QUARANTINE)
+    assert released.timeline.suspect is None
+    assert c.suspect_blocks == c.reserved_blocks == 0
+    assert "suspect" not in c.stats()
+
+
+@pytest.mark.parametrize(
+    "proof",
+    [
+        "settled",
+        "rejected",
+        "every pair completed",
+        "every pair settled",
+    ],
+)
+def test_suspect_is_released_by_a_proof_from_the_producer(proof: str) -> None:
+    c = make(p_tp=2)
+    e = suspect(c)
+    # another epoch's answer proves nothing about this one
+    c.receive(40.0, P, Settled("t1", e + 1))
+    assert c.drain() == []
+    if proof == "settled":
+        c.receive(40.0, P, Settled("t1", e))
+    elif proof == "rejected":
+        c.receive(40.0, P, Rejected("t1", e, RejectReason.RELEASED))
+    else:
+        c.completion_received(40.0, P, notice(e, tp=0))
+        assert c.drain() == []  # the other pair may still land
+        assert c.reservations() == [("t1", e, CState.SUSPECT)]
+        if proof == "every pair completed":
+            c.completion_received(40.0, P, notice(e, tp=1))
+        else:
+            c.receive(40.0, P, WriteFailed("t1", e, Source(1), 0, "late"))
+    (released,) = c.drain()  # no second Failed, no message to the producer
+    assert isinstance(released, Released)
+    assert (released.epoch, released.blocks) == (e, ((1, 2),))
+    assert (released.timeline.suspect, released.timeline.released) == (QUARANTINE, 40.0)
+    assert c.reservations() == []
+    assert c.suspect_blocks == c.suspect_blocks_of(P) == 0
+    assert c.reserved_blocks == 0
+    assert c.next_deadline() is None
+
+
+def test_suspect_probes_with_backoff_until_answered() -> None:
+    """Every probe may be lost, and so may its answer: the probes go on, after
+    2, 4, then every 8 ``max_transit``, until one is answered."""
+    c = make()
+    e = suspect(c)  # the first probe, at the quarantine
+    at = QUARANTINE
+    for gap in (2, 4, 8, 8, 8):
+        nxt = at + gap * TIMING.max_transit
+        assert c.next_deadline() == nxt
+        c.handle_timer(nxt - 0.001)
+        assert c.drain() == []
+        c.handle_timer(nxt)
+        hello, probe = c.drain()  # our hello first: the producer may have lost it
+        assert isinstance(hello, Send) and isinstance(hello.message, Hello)
+        assert probe == Send(P, Withdraw("t1", e))
+        at = nxt
+    assert c.stats()["suspect_probe"] == 6
+    assert c.reservations() == [("t1", e, CState.SUSPECT)]
+    # the answer to any of them, however late, ends it
+    c.receive(at + 1e6, P, Settled("t1", e))
+    assert kinds(c.drain()) == [Released]
+    assert c.next_deadline() is None
+
+
+def test_a_lost_connection_is_no_proof_for_suspect_blocks() -> None:
+    """Silent past its quarantine while connected, then the connection goes:
+    the process may be stopped, not dead, and its queued write lands when it
+    runs again. The blocks stay suspect; the same instance back is probed at
+    once, and its answer releases them."""
+    c = make()
+    e = suspect(c)
+    c.peer_lost(50.0, P)
+    assert c.drain() == []
+    assert c.reservations() == [("t1", e, CState.SUSPECT)]
+    assert c.suspect_blocks == 2
+    assert c.stats()["suspect_peer_lost"] == 1
+    c.connect(60.0, P)
+    c.drain()
+    c.receive(60.0, P, Identity(P, 1).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit))
+    out = c.drain()
+    assert Send(P, Withdraw("t1", e)) in out  # probed again at once
+    assert c.next_deadline() == 60.0 + 2 * TIMING.max_transit
+    c.receive(61.0, P, Settled("t1", e))
+    assert kinds(c.drain()) == [Released]
+    assert c.suspect_blocks == c.reserved_blocks == 0
+
+
+@pytest.mark.parametrize("proof", ["restarted", "gone"])
+def test_suspect_blocks_drain_for_a_fresh_quarantine_once_the_producer_is_gone(
+    proof: str,
+) -> None:
+    """Proof the process is gone: another instance of it completed a
+    handshake, or the caller said so (``peer_gone``). A write it had queued
+    may still be placed meanwhile: released after a fresh quarantine."""
+    c = make()
+    e = suspect(c)
+    if proof == "restarted":
+        c.peer_lost(49.0, P)
+        c.connect(50.0, P)
+        c.drain()
+        c.receive(50.0, P, Identity(P, 2).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit))
+    else:
+        assert c.peer_gone(50.0, P) == 1
+    c.drain()
+    assert c.reservations() == [("t1", e, CState.DRAINING)]
+    assert c.suspect_blocks == 0  # no longer suspect, but still held
+    assert c.reserved_blocks == 2
+    fresh = 50.0 + TIMING.max_transit + P_OP_BOUND
+    assert c.next_deadline() == fresh
+    c.handle_timer(fresh - 0.001)
+    assert c.drain() == []
+    c.handle_timer(fresh)
+    (released,) = c.drain()
+    assert isinstance(released, Released)
+    assert (released.timeline.suspect, released.timeline.released) == (QUARANTINE, fresh)
+    assert c.reserved_blocks == 0
+
+
+def test_reserve_is_refused_while_the_producer_has_suspect_blocks() -> None:
+    c = make()  # max_suspect_blocks = 0
+    c.connect(0.0, "prefill-q")
+    c.receive(
+        0.0, "prefill-q", Identity("prefill-q", 1).hello(Role.PRODUCER, 1.0, TIMING.max_transit)
+    )
+    c.drain()
+    e = suspect(c)
+    assert c.reserve(40.0, "t2", P, ((5,),)) == Refused("t2", RefuseReason.PEER_SUSPECT)
+    assert c.drain() == []
+    assert c.stats()["refused_suspect"] == 1
+    # another producer is not suspect
+    assert isinstance(c.reserve(40.0, "t3", "prefill-q", ((6,),)), Reserved)
+    c.drain()
+    c.receive(41.0, P, Settled("t1", e))
+    assert kinds(c.drain()) == [Released]
+    assert isinstance(c.reserve(42.0, "t2", P, ((5,),)), Reserved)
+    assert c.stats()["refused_suspect"] == 1
+
+
+def test_max_suspect_blocks_is_a_cap() -> None:
+    c = make(max_suspect_blocks=2)
+    e1 = reserve(c, "t1")
+    reserve(c, "t2", ((3, 4),))
+    c.handle_timer(30.0)
+    c.handle_timer(QUARANTINE)
+    c.drain()
+    assert c.suspect_blocks_of(P) == 4
+    assert c.reserve(40.0, "t3", P, ((5,),)) == Refused("t3", RefuseReason.PEER_SUSPECT)
+    c.receive(41.0, P, Settled("t1", e1))
+    c.drain()
+    assert c.suspect_blocks_of(P) == 2  # at the cap, not over it
+    assert isinstance(c.reserve(42.0, "t3", P, ((5,),)), Reserved)
+
+
+def test_max_suspect_blocks_is_validated() -> None:
+    bad_values: tuple[Any, ...] = (-1, 1.0, True)
+    for bad in bad_values:
+        with pytest.raises(ConfigError, match="max_suspect_blocks"):
+            ConsumerConfig(Identity(D, 1), max_suspect_blocks=bad)
+
+
+def test_messages_from_another_instance_of_the_producer_are_ignored() -> None:
+    """The producer restarted: the new instance speaks for none of the old
+    one's writes, so its Settled cannot end the old drain (nor its Rejected,
+    Abort or WriteFailed); a reservation registered with the new instance
+    takes its messages."""
+    c = make()
+    e = reserve(c)
+    c.preempt(1.0, "t1")
+    c.drain()
+    c.receive(3.0, P, Identity(P, 2).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit))
+    c.drain()
+    for msg in (
+        Settled("t1", e),
+        Rejected("t1", e, RejectReason.RELEASED),
+        WriteFailed("t1", e, Source(0), 0, "x"),
+    ):
+        c.receive(4.0, P, msg)
+    assert c.drain() == []
+    assert c.stats()["message_from_other_instance"] == 3
+    assert c.reservations() == [("t1", e, CState.DRAINING)]
+    assert c.reserved_blocks == 2
+    e2 = reserve(c, "t2", ((3,),), now=5.0)  # registered with instance 2
+    c.drain()
+    c.receive(6.0, P, Rejected("t2", e2, RejectReason.RELEASED))
+    assert kinds(c.drain()) == [Failed, Released]
+    assert c.stats()["message_from_other_instance"] == 3
+    # the old drain ends at its quarantine (the old instance is gone), never suspect
+    c.handle_timer(QUARANTINE)
+    (released,) = c.drain()
+    assert isinstance(released, Released)
+    assert released.epoch == e
+    assert c.suspect_blocks == 0
+
+
+def test_messages_from_the_same_instance_after_a_reconnect_count() -> None:
+    c = make()
+    e = reserve(c)
+    c.preempt(1.0, "t1")
+    c.drain()
+    c.peer_lost(2.0, P)
+    c.connect(3.0, P)
+    c.receive(3.0, P, Identity(P, 1).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit))
+    c.drain()
+    c.receive(4.0, P, Settled("t1", e))
+    assert kinds(c.drain()) == [Released]
+    assert "message_from_other_instance" not in c.stats()
+
+
 # --- every (state, input) pair --------------------------------------------------------
 
 #: Inputs caused by the producer or the transport: never an exception.
@@ -456,6 +744,7 @@ REMOTE = (
     CInput.REJECTED,
     CInput.PEER_ABORT,
     CInput.ANNOUNCE,
+    CInput.RENEW,
     CInput.PEER_DOWN,
 )
 #: Inputs caused by the caller (or its timers).
@@ -501,6 +790,9 @@ def _consumer_in(state: CState, mode: Mode) -> tuple[Consumer, int]:
     e = reserve(c, mode=mode)
     if state is CState.DRAINING:
         c.preempt(1.0, "t1")
+    elif state is CState.SUSPECT:
+        c.preempt(1.0, "t1")
+        c.handle_timer(QUARANTINE)  # the preempted epoch's quarantine, P connected
     elif state in (CState.READING, CState.READ_DRAIN):
         c.receive(1.0, P, Announce("t1", e, ((5, 6),), 10.0))
         if state is CState.READ_DRAIN:
@@ -525,6 +817,9 @@ def _messages(e: int) -> list[ControlMessage | Completion]:
         Settled("t1", e + 7),
         notice(e, tp=1),
         notice(e, tp=5),
+        Renew("t1", e),
+        Extend("t1", e, 0, 5.0),
+        Renew("t1", e + 7),
     ]
 
 
@@ -533,12 +828,13 @@ def _messages(e: int) -> list[ControlMessage | Completion]:
     [
         (CState.AWAITING, Mode.PUSH),
         (CState.DRAINING, Mode.PUSH),
+        (CState.SUSPECT, Mode.PUSH),
         (CState.AWAITING, Mode.PULL),
         (CState.READING, Mode.PULL),
         (CState.READ_DRAIN, Mode.PULL),
     ],
 )
-@pytest.mark.parametrize("index", range(13))
+@pytest.mark.parametrize("index", range(16))
 def test_every_remote_message_in_every_state_is_safe(state: CState, mode: Mode, index: int) -> None:
     c, e = _consumer_in(state, mode)
     msg = _messages(e)[index]
@@ -550,7 +846,9 @@ def test_every_remote_message_in_every_state_is_safe(state: CState, mode: Mode, 
     out = c.drain()
     after = {s for _, _, s in c.reservations()}
     assert after <= {state, CState.DRAINING, CState.READ_DRAIN, CState.READING}
-    pointless = {4, 6, 7, 8, 9, 10, 12}  # never meaningful to this reservation
+    pointless = {4, 6, 7, 8, 9, 10, 12, 14, 15}  # never meaningful to this reservation
+    if state is not CState.AWAITING:
+        pointless.add(13)  # a renewal of a reservation no longer waiting
     if mode is Mode.PULL:
         pointless |= {2, 11}  # write results in pull mode
     if mode is Mode.PUSH or state is not CState.AWAITING:
@@ -562,6 +860,13 @@ def test_every_remote_message_in_every_state_is_safe(state: CState, mode: Mode, 
     # nothing the peer says makes a consumer read unless it waits for an announce
     if any(isinstance(o, StartRead) for o in out):
         assert (mode, state, index) == (Mode.PULL, CState.AWAITING, 3)
+    # a renewal is answered with the lease left, the deadline moved (renewed at 2.0)
+    if index == 13 and state is CState.AWAITING:
+        assert out == [Send(P, Extend("t1", e, 0, 30.0))]
+        tl = c.timeline("t1")
+        assert tl is not None and tl.renewed == (2.0,)
+    # suspect blocks are counted while, and only while, the reservation is suspect
+    assert c.suspect_blocks == (2 if CState.SUSPECT in after else 0)
 
 
 def test_timeline_builder_freezes_every_field() -> None:
@@ -569,9 +874,10 @@ def test_timeline_builder_freezes_every_field() -> None:
     assert names == [f.name for f in dataclasses.fields(TimelineBuilder)]
     b = TimelineBuilder("t", 3)
     pairs = ("write_done", "ops", "notice_seen")
-    floats = [n for n in names if n not in ("transfer_id", "epoch", *pairs)]
+    floats = [n for n in names if n not in ("transfer_id", "epoch", "renewed", *pairs)]
     for i, name in enumerate(floats):
         setattr(b, name, float(i + 1))
+    b.renewed += [5.0, 2.0]
     b.write_done[(Source(1), 0)] = 9.0
     b.write_done[(Source(0, 1), 0)] = 8.0
     b.write_done[(Source(0), 1)] = 7.0
@@ -579,6 +885,7 @@ def test_timeline_builder_freezes_every_field() -> None:
     for i, name in enumerate(floats):
         assert getattr(frozen, name) == float(i + 1), name
     assert (frozen.transfer_id, frozen.epoch) == ("t", 3)
+    assert frozen.renewed == (5.0, 2.0)  # in the order they happened
     # ordered by (source, consumer rank), not by arrival
     assert frozen.write_done == (
         ((Source(0), 1), 7.0),
@@ -615,7 +922,8 @@ def test_a_completion_counts_only_from_the_reservations_producer() -> None:
     assert c.reservations() == [("t1", e, CState.AWAITING)]
     assert c.stats()["completion_wrong_sender"] == 2
     c.completion_received(2.0, P, notice(e), seen=1.5)
-    (ready,) = c.drain()
+    ack, ready = c.drain()
+    assert ack == Send(P, ReadDone("t1", e, True))
     assert isinstance(ready, Ready)
     assert ready.timeline.notice_seen == (((Source(0), 0), 1.5),)
     assert ready.timeline.write_done == (((Source(0), 0), 2.0),)

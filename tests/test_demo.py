@@ -148,7 +148,7 @@ def test_the_phases_of_one_request_follow_each_other() -> None:
 
     ops = OpsSummary(planned=10.004, planning=0.001, posting=0.002, done=10.007)
     rec = RequestRecord("t", dispatched=9.0)
-    rec.producer = ProducerResult("t", "delivered", 9.001, 10.0, 10.002, 10.008, ops)
+    rec.producer = ProducerResult("t", "delivered", 9.001, 10.0, 10.002, 10.008, ops, 10.0112)
     rec.consumer = ConsumerResult(
         "t", True, "", 0, 9.0, 10.0095, 10.0097, notice_seen=10.009, delivered=10.0101
     )
@@ -164,6 +164,8 @@ def test_the_phases_of_one_request_follow_each_other() -> None:
         "ready": 1.1,
         "ttft": 1010.1,
         "handoff_overhead": 9.6,
+        "source_held": 11.2,
+        "held_for_ack": 3.2,
     }
     assert sum(ph[k] or 0 for k in CHAIN) == pytest.approx(ph["ttft"])
     assert sum_error(ph) == pytest.approx(0, abs=1e-9)

@@ -106,9 +106,9 @@ def test_every_interleaving_with_a_process_stall(monkeypatch: pytest.MonkeyPatch
 #: in the explorer's ``_EXCLUDED`` with the reason it does not.
 KEYED = {
     _Reservation: "transfer_id epoch peer mode blocks deadline skip_tokens state done settled "
-    "quarantine_at op_deadline failed after_reads attempt timers",
+    "quarantine_at failed instance after_reads attempt probes timers",
     _Transfer: "transfer_id state peer max_epoch max_attempt src reg pending inflight writes owe "
-    "ending delivered_epoch hold_until op_deadline quarantine_at expires_at timers",
+    "ending delivered_epoch acked_epoch hold_until quarantine_at expires_at timers",
 }
 
 

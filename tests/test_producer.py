@@ -11,6 +11,7 @@ from kvpush.protocol import (
     Announce,
     Completion,
     ControlMessage,
+    Extend,
     Heartbeat,
     Identity,
     LocalProtocolError,
@@ -24,6 +25,7 @@ from kvpush.protocol import (
     Rejected,
     RejectReason,
     ReleaseOutcome,
+    Renew,
     Role,
     Send,
     Settled,
@@ -126,11 +128,11 @@ def test_kv_ready_with_other_blocks_is_misuse() -> None:
 def test_not_after_is_receipt_plus_lease() -> None:
     p = make()
     p.receive(3.0, D, register(1, lease=10.0))
-    assert p.next_deadline() == 13.0  # the lease timer
+    assert p.next_deadline() == 8.0  # the lease timer, half the lease: time to renew
     p.kv_ready(5.0, "t1", SRC)
     (w,) = writes(p.drain())
     assert w.not_after == 13.0
-    assert p.next_deadline() == 13.0 + TIMING.op_bound  # the op bound of the writes
+    assert p.next_deadline() is None  # no timer bounds the writes: the transport reports them
     tl = p.timeline("t1")
     assert tl is not None
     assert (tl.registration_received, tl.kv_ready, tl.write_started) == (3.0, 5.0, 5.0)
@@ -178,8 +180,12 @@ def test_newer_epoch_waits_for_every_write_of_the_old_one() -> None:
     assert released(out) == []
     finish(p, new, 4.0)
     out = p.drain()
-    assert released(out) == [ReleaseOutcome.DELIVERED]
+    assert released(out) == []  # delivered, held until the consumer acknowledges
     assert sent(out) == []
+    assert p.transfers() == [("t1", PState.DELIVERED)]
+    assert p.held_blocks == 3
+    p.receive(5.0, D, ReadDone("t1", 2, True))
+    assert released(p.drain()) == [ReleaseOutcome.DELIVERED]
     assert p.held_blocks == 0
 
 
@@ -395,22 +401,185 @@ def test_kv_ready_after_abort_releases_immediately() -> None:
     assert sent(p.drain()) == [Rejected("t1", 1, RejectReason.RELEASED)]
 
 
-def test_write_that_never_completes_fails_after_its_bound() -> None:
+@pytest.mark.parametrize("late", ["write_failed", "write_done"])
+def test_no_timer_declares_a_write_dead(late: str) -> None:
+    """A write that never completes stays in flight until the transport says
+    so: however long that takes, no timer fails it, the source stays held and
+    nothing is sent; the late report settles it as reported."""
     p = make(p_tp=2)
     ws = writing(p, lease=10.0)
-    deadline = 10.0 + TIMING.op_bound
-    assert p.next_deadline() == deadline
+    assert p.next_deadline() is None
     finish(p, ws[:1], 2.0)
-    p.handle_timer(deadline - 0.01)
-    assert p.drain() == []
-    p.handle_timer(deadline)
+    for when in (10.0 + TIMING.op_bound, 1e6):  # past the old op bound, and far past
+        p.handle_timer(when)
+        assert p.drain() == []
+    assert p.transfers() == [("t1", PState.WRITING)]
+    assert p.held_blocks == 3
+    assert "write_timeout" not in p.stats()
+    finish(p, ws[1:], 1e6 + 1, fail=late == "write_failed")
     out = p.drain()
-    assert sent(out) == [WriteFailed("t1", 1, Source(1), 0, "timeout"), Settled("t1", 1)]
-    assert released(out) == [ReleaseOutcome.FAILED]
-    assert p.stats()["write_timeout"] == 1
-    finish(p, ws[1:], deadline + 1)  # the transport's late report is harmless
+    if late == "write_failed":
+        assert sent(out) == [WriteFailed("t1", 1, Source(1), 0, "write failed"), Settled("t1", 1)]
+        assert released(out) == [ReleaseOutcome.FAILED]
+        assert p.held_blocks == 0
+    else:
+        assert out == []
+        assert p.transfers() == [("t1", PState.DELIVERED)]
+        assert p.held_blocks == 3
+    assert "write_result_unknown" not in p.stats()
+
+
+def test_no_timer_declares_a_draining_write_dead() -> None:
+    """Aborted (or the consumer lost) with a write in flight: the source is
+    held until the transport reports that write, never released by a timer."""
+    p = make()
+    ws = writing(p, lease=10.0)
+    p.peer_lost(1.0, D)
+    assert p.transfers() == [("t1", PState.DRAINING)]
+    assert p.next_deadline() is None
+    p.handle_timer(1e6)
     assert p.drain() == []
-    assert p.stats()["write_result_unknown"] == 1
+    assert p.held_blocks == 3
+    finish(p, ws, 1e6 + 1)
+    assert released(p.drain()) == [ReleaseOutcome.PEER_LOST]
+    assert p.held_blocks == 0
+
+
+# --- hold until acknowledged ------------------------------------------------------------
+
+
+def delivered(p: Producer, now: float = 1.0) -> None:
+    """Epoch 1 written and every write reported done: DELIVERED."""
+    ws = writing(p)
+    finish(p, ws, now)
+    assert p.drain() == []
+    assert p.transfers() == [("t1", PState.DELIVERED)]
+
+
+def test_delivered_kv_is_held_until_the_consumers_ack() -> None:
+    p = make(p_tp=2, kv_hold_timeout=20.0)
+    delivered(p, now=1.0)
+    assert p.held_blocks == 3
+    assert p.next_deadline() == 21.0  # the hold, from the last write's report
+    p.receive(2.0, D, ReadDone("t1", 0, True))  # an older epoch's ack ends nothing
+    assert p.drain() == []
+    assert p.stats()["ack_stale"] == 1
+    p.receive(3.0, D, ReadDone("t1", 1, True))
+    out = p.drain()
+    assert sent(out) == []
+    (rel,) = [o for o in out if isinstance(o, SourceReleased)]
+    assert (rel.outcome, rel.blocks, rel.timeline.released) == (ReleaseOutcome.DELIVERED, SRC, 3.0)
+    assert p.stats()["acked"] == 1
+    assert p.held_blocks == 0
+    assert p.transfers() == [("t1", PState.RELEASED)]
+    p.receive(3.5, D, ReadDone("t1", 1, True))  # a copy of the ack changes nothing
+    p.receive(3.5, D, register(1))  # nor does a copy of the delivered registration
+    assert p.drain() == []
+    assert p.stats()["register_duplicate"] == 1
+
+
+def test_an_ack_of_a_later_epoch_also_ends_the_hold() -> None:
+    p = make()
+    delivered(p)
+    p.receive(2.0, D, ReadDone("t1", 5, True))
+    assert released(p.drain()) == [ReleaseOutcome.DELIVERED]
+
+
+def test_a_local_abort_of_delivered_kv_releases_without_an_abort() -> None:
+    """The writes landed and Ready is on its way: the prefill request ending
+    now only gives the source back. An Abort would fail KV the consumer may
+    not have polled yet."""
+    p = make()
+    delivered(p)
+    assert p.abort(2.0, "t1")
+    out = p.drain()
+    assert sent(out) == []
+    assert released(out) == [ReleaseOutcome.DELIVERED]
+    assert p.held_blocks == 0
+
+
+def test_delivered_hold_expiry_releases_as_delivered() -> None:
+    p = make(kv_hold_timeout=20.0, tombstone_ttl=60.0)
+    delivered(p, now=1.0)
+    p.peer_lost(5.0, D)  # the ack may never come: the hold still ends
+    assert p.drain() == []
+    assert p.transfers() == [("t1", PState.DELIVERED)]
+    p.handle_timer(20.999)
+    assert p.drain() == []
+    p.handle_timer(21.0)
+    (rel,) = p.drain()
+    assert isinstance(rel, SourceReleased)
+    assert (rel.outcome, rel.timeline.released) == (ReleaseOutcome.DELIVERED, 21.0)
+    assert p.held_blocks == 0
+    assert p.next_deadline() == 81.0  # the tombstone
+
+
+def test_ack_before_the_transports_report_releases_at_the_last_write() -> None:
+    """The consumer's completion notices (and so its ReadDone) can overtake
+    the producer's own transport's report of the writes: remembered, the ack
+    releases the source at once when the last write is reported."""
+    p = make(p_tp=2)
+    ws = writing(p)
+    finish(p, ws[:1], 1.0)
+    p.receive(1.5, D, ReadDone("t1", 1, True))
+    assert p.drain() == []
+    assert p.stats()["acked_early"] == 1
+    assert p.transfers() == [("t1", PState.WRITING)]
+    assert p.held_blocks == 3  # the other write still reads the source
+    finish(p, ws[1:], 2.0)
+    out = p.drain()
+    assert sent(out) == []
+    (rel,) = [o for o in out if isinstance(o, SourceReleased)]
+    assert (rel.outcome, rel.timeline.released) == (ReleaseOutcome.DELIVERED, 2.0)
+    assert p.transfers() == [("t1", PState.RELEASED)]
+    assert p.held_blocks == 0
+
+
+def test_early_ack_of_an_older_epoch_does_not_release_the_live_one() -> None:
+    p = make()
+    old = writing(p)
+    p.receive(1.0, D, Withdraw("t1", 1))
+    p.receive(1.0, D, register(2))
+    finish(p, old, 2.0)
+    (new,) = writes(p.drain())
+    p.receive(2.5, D, ReadDone("t1", 1, True))  # not an ack of epoch 2
+    finish(p, [new], 3.0)
+    assert p.drain() == []
+    assert p.transfers() == [("t1", PState.DELIVERED)]
+
+
+def test_newer_epoch_registered_while_delivered_is_written() -> None:
+    """The consumer preempted the delivered epoch before it saw the notices
+    (its Withdraw and the new Register crossed the writes' reports): the KV
+    is still held, so the newer epoch is written, not refused."""
+    p = make(p_tp=2)
+    delivered(p)
+    p.receive(2.0, D, Withdraw("t1", 1))
+    assert sent(p.drain()) == [Settled("t1", 1)]  # nothing of epoch 1 in flight
+    p.receive(2.5, D, register(2, lease=10.0, blocks=((4, 5, 6),)))
+    new = writes(p.drain())
+    assert [(w.epoch, w.dst_blocks, w.not_after) for w in new] == [(2, ((4, 5, 6),), 12.5)] * 2
+    assert p.transfers() == [("t1", PState.WRITING)]
+    finish(p, new, 3.0)
+    assert p.drain() == []
+    assert p.transfers() == [("t1", PState.DELIVERED)]
+    p.receive(3.5, D, ReadDone("t1", 1, True))  # the old epoch's ack is stale now
+    assert p.drain() == []
+    p.receive(4.0, D, ReadDone("t1", 2, True))
+    out = p.drain()
+    assert released(out) == [ReleaseOutcome.DELIVERED]
+    (rel,) = [o for o in out if isinstance(o, SourceReleased)]
+    assert rel.timeline.epoch == 2
+
+
+def test_consumer_abort_while_delivered_releases_at_once() -> None:
+    p = make()
+    delivered(p)
+    p.receive(2.0, D, Abort("t1", 1))
+    out = p.drain()
+    assert sent(out) == [Settled("t1", 1)]
+    assert released(out) == [ReleaseOutcome.ABORTED]
+    assert p.held_blocks == 0
 
 
 def test_peer_lost_while_writing_releases_without_messages() -> None:
@@ -471,6 +640,8 @@ def test_registration_from_second_consumer_is_rejected() -> None:
 REMOTE = (
     PInput.REGISTER,
     PInput.WITHDRAW,
+    PInput.EXTEND,
+    PInput.KEEP,
     PInput.READ_DONE,
     PInput.PEER_ABORT,
     PInput.PEER_ABORT_NEWER,
@@ -509,7 +680,8 @@ def test_local_inputs_missing_from_table_raise() -> None:
     assert p.drain() == []
 
 
-def _producer_in(state: PState) -> Producer:
+def _producer_in(state: PState) -> tuple[Producer, list[StartWrite]]:
+    """A producer (TP 2) with transfer t1 in ``state``, and the writes it started."""
     p = make(p_tp=2)
     pull = Mode.PULL if state is PState.LENT else Mode.PUSH
     if state is PState.IDLE:
@@ -524,9 +696,13 @@ def _producer_in(state: PState) -> Producer:
             p.kv_ready(0.0, "t1", SRC)
         if state is PState.DRAINING:
             p.abort(0.5, "t1")
-    p.drain()
+    out = p.drain()
+    ws = writes(out)
+    if state is PState.DELIVERED:
+        finish(p, ws, 0.5)
+        p.drain()
     assert p.transfers() == [("t1", state)]
-    return p
+    return p, ws
 
 
 def _inputs() -> list[Any]:
@@ -541,24 +717,49 @@ def _inputs() -> list[Any]:
         ReadDone("t1", 1, True),
         ReadDone("t1", 1, False),
         ReadDone("t1", 9, True),
+        ReadDone("t1", 0, True),
         Settled("t1", 1),
         Announce("t1", 1, SRC, 1.0),
+        Renew("t1", 0),
+        Renew("t1", 1),
+        Extend("t1", 1, 0, 60.0),
+        Extend("t1", 1, 3, 60.0),
         Heartbeat(1),
         Identity(D, 1, tp=1).hello(Role.CONSUMER, C_OP_BOUND, TIMING.max_transit),
         "peer_lost",
         "kv_ready",
         "abort",
         "write_done",
+        "write_failed",
     ]
 
 
 _STATES = [s for s in PState if s is not PState.GONE]
 
 
+def _in_flight(p: Producer) -> bool:
+    rec = p._tx.get("t1")
+    return rec is not None and bool(rec.inflight)
+
+
+def _run_timers_out(p: Producer, now: float) -> tuple[float, list[StartWrite]]:
+    """Fire every timer, in order, until none is armed: the time then, and
+    the writes started."""
+    started: list[StartWrite] = []
+    for _ in range(40):
+        deadline = p.next_deadline()
+        if deadline is None:
+            return now, started
+        now = max(now, deadline)
+        p.handle_timer(now)
+        started += writes(p.drain())
+    raise AssertionError("timers keep firing")
+
+
 @pytest.mark.parametrize("state", _STATES)
-@pytest.mark.parametrize("index", range(18))
+@pytest.mark.parametrize("index", range(len(_inputs())))
 def test_every_input_in_every_state_is_safe(state: PState, index: int) -> None:
-    p = _producer_in(state)
+    p, ws = _producer_in(state)
     item = _inputs()[index]
     if item == "peer_lost":
         p.peer_lost(1.0, D)
@@ -568,17 +769,32 @@ def test_every_input_in_every_state_is_safe(state: PState, index: int) -> None:
         p.abort(1.0, "t1")
     elif item == "write_done":
         p.write_done(1.0, "t1", 1, Source(0), 0)
+    elif item == "write_failed":
+        p.write_failed(1.0, "t1", 1, Source(1), 0)
     else:
         p.receive(1.0, D, item)
     out = p.drain()
     for w in writes(out):
         assert w.not_after >= 1.0
-    # run every timer out: the record must end, its source blocks must come back
-    for _ in range(10):
-        deadline = p.next_deadline()
-        if deadline is None:
+    ws += writes(out)
+    # Run every timer out. No timer ends a write in flight: while one is, the
+    # source stays held, whatever fired.
+    now, started = _run_timers_out(p, 1.0)
+    ws += started
+    if _in_flight(p):
+        assert p.held_blocks == 3
+        assert p.transfers() in ([("t1", PState.WRITING)], [("t1", PState.DRAINING)])
+    # The transport reports every write still in flight (failed; a report of
+    # a settled one is harmless), then the timers run out: the record must
+    # end, its source blocks must come back.
+    for _ in range(5):
+        if not _in_flight(p):
             break
-        p.handle_timer(deadline)
+        finish(p, ws, now, fail=True)
+        ws += writes(p.drain())
+        now, started = _run_timers_out(p, now)
+        ws += started
+    assert not _in_flight(p)
     assert p.next_deadline() is None
     assert p.transfers() == []
     assert p.held_blocks == 0
@@ -596,8 +812,10 @@ def test_the_data_planes_stamps_of_each_write_reach_the_timeline() -> None:
         p.write_done(2.0, "t1", 1, w0.route.source, 0, stamps=OpStamps(1.2, 1.1, 1.3, 1.4))
     p.write_done(2.0, "t1", 1, w0.route.source, 0, stamps=OpStamps(1.1, 1.2, 1.3, 1.4))
     p.write_done(2.5, "t1", 1, w1.route.source, 0)  # an adapter that measures nothing
+    assert p.drain() == []  # delivered: held until the consumer acknowledges
+    p.receive(3.0, D, ReadDone("t1", 1, True))
     (rel,) = [o for o in p.drain() if isinstance(o, SourceReleased)]
     tl = rel.timeline
-    assert (tl.kv_ready, tl.write_started) == (1.0, 1.0)
+    assert (tl.kv_ready, tl.write_started, tl.released) == (1.0, 1.0, 3.0)
     assert tl.ops == (((w0.route.source, 0), OpStamps(1.1, 1.2, 1.3, 1.4)),)
     assert dict(tl.write_done) == {(w0.route.source, 0): 2.0, (w1.route.source, 0): 2.5}

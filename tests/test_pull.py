@@ -300,20 +300,79 @@ def test_producer_abort_while_lent_waits_for_quarantine() -> None:
     assert [r.outcome for r in w.take(P, SourceReleased)] == [ReleaseOutcome.ABORTED]
 
 
-def test_reads_past_their_bound_are_dead() -> None:
+def test_no_timer_declares_a_read_dead() -> None:
+    """A posted read stays posted until the transport reports it: the ready
+    deadline fails the epoch, but the blocks stay held (READ_DRAIN, no timer
+    armed) however long the read takes, and its late result settles it."""
     w = Wire()
     e, reads = w.reading()
-    w.c.read_done(w.now, "t1", e, reads[0].route.source, 0, True)
-    op_deadline = reads[0].not_after + C_TIMING.op_bound
-    w.c.handle_timer(reads[0].not_after)  # the ready deadline (30.0) fails the epoch first
+    w.read(reads[0])
+    w.c.handle_timer(reads[0].not_after)  # the ready deadline (30.0) fails the epoch
     w.collect()
     assert [f.reason for f in w.take(D, Failed)] == [FailureReason.TIMEOUT]
     assert w.c.reservations() == [("t1", e, CState.READ_DRAIN)]
-    w.c.handle_timer(op_deadline)
+    assert w.c.next_deadline() is None  # nothing but the transport ends the drain
+    w.c.handle_timer(reads[0].not_after + 1000.0)
+    w.collect()
+    assert w.inflight == []  # the Abort waits for the read: the source must stay lent
+    assert w.events[D] == []
+    assert w.c.reservations() == [("t1", e, CState.READ_DRAIN)]
+    assert w.c.reserved_blocks == 3
+    assert "read_timeout" not in w.c.stats()
+    assert w.p.transfers() == [("t1", PState.LENT)]
+    w.now = 1000.0
+    w.read(reads[1], ok=True)  # the transport reports it at last
     assert w.deliver()[0] == Abort("t1", e)
     assert [r.epoch for r in w.take(D, Released)] == [e]
-    assert w.c.stats()["read_timeout"] == 1
+    assert w.take(D, Ready) == []
+    assert w.c.reserved_blocks == 0
     assert [r.outcome for r in w.take(P, SourceReleased)] == [ReleaseOutcome.ABORTED]
+
+
+def test_a_read_result_at_the_deadline_fails_the_epoch_instead_of_ready() -> None:
+    """The last read reports success at (or after) the ready deadline, before
+    the deadline's timer ran: past it the producer may have released and
+    reused its source, so the bytes read are not trusted. The deadline is
+    applied first: the epoch fails (TIMEOUT) and its blocks are released,
+    never Ready, and the producer is told Abort, not ReadDone(ok)."""
+    w = Wire()
+    e, reads = w.reading()
+    w.read(reads[0])
+    w.now = 30.0  # the deadline (reserved at 0.0, ready_timeout 30)
+    w.read(reads[1], ok=True)
+    moved = w.deliver()
+    assert moved[0] == Abort("t1", e)
+    assert ReadDone("t1", e, True) not in moved
+    assert w.take(D, Ready) == []
+    assert [(f.epoch, f.reason) for f in w.take(D, Failed)] == [(e, FailureReason.TIMEOUT)]
+    assert [r.epoch for r in w.take(D, Released)] == [e]
+    assert w.c.reservations() == []
+    assert [r.outcome for r in w.take(P, SourceReleased)] == [ReleaseOutcome.ABORTED]
+
+
+def test_a_read_result_just_before_the_deadline_is_ready() -> None:
+    w = Wire()
+    e, reads = w.reading()
+    w.read(reads[0])
+    w.now = 29.999
+    w.read(reads[1], ok=True)
+    assert w.deliver() == [ReadDone("t1", e, True)]
+    assert [r.epoch for r in w.take(D, Ready)] == [e]
+    assert w.take(D, Failed) == []
+
+
+def test_a_failed_read_result_after_the_deadline_fails_for_the_deadline() -> None:
+    w = Wire()
+    e, reads = w.reading()
+    w.now = 31.0
+    w.read(reads[0], ok=False)
+    w.collect()
+    assert [f.reason for f in w.take(D, Failed)] == [FailureReason.TIMEOUT]
+    assert w.c.reservations() == [("t1", e, CState.READ_DRAIN)]
+    w.read(reads[1], ok=True)
+    assert w.deliver()[0] == Abort("t1", e)
+    assert w.take(D, Ready) == []
+    assert [r.epoch for r in w.take(D, Released)] == [e]
 
 
 def test_pull_deadline_before_announce_releases_at_once() -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from kvpush.protocol import (
     Abort,
     Announce,
+    CState,
     Mode,
     PeerState,
+    PState,
     Register,
     Rejected,
     ReleaseOutcome,
@@ -62,12 +64,15 @@ def test_stale_abort_overtaken_by_a_newer_push_epoch_lets_it_complete() -> None:
 
 
 def test_duplicate_register_after_delivery_does_not_fail_the_transfer() -> None:
-    """The network duplicates a Register; the copy arrives after the producer
-    delivered every write and released, but before the consumer polled the
-    notices. The tombstone must not answer Rejected (it would fail a transfer
-    whose data already landed)."""
-    w = World(WorldConfig(producer_tp=2, consumer_tp=1))
+    """The network duplicates a Register; the copies arrive after the producer
+    delivered every write, but before the consumer polled the notices: one
+    while the producer holds the delivered KV (waiting for the consumer's
+    acknowledgment), one after that hold expired and left a tombstone.
+    Neither may answer Rejected (it would fail a transfer whose data already
+    landed)."""
+    w = World(WorldConfig(producer_tp=2, consumer_tp=1, kv_hold_timeout=0.5, ready_timeout=30.0))
     assert w.reserve("t")
+    w.net.duplicate(_index(w, Register))
     w.net.duplicate(_index(w, Register))
     w.deliver(_index(w, Register))
     assert w.kv_ready("t")
@@ -76,9 +81,19 @@ def test_duplicate_register_after_delivery_does_not_fail_the_transfer() -> None:
         w.land(k)
     while w.ops:
         w.ack(0)
-    assert w.producer.held_blocks == 0  # released, tombstone kept
-    w.deliver(_index(w, Register))  # the duplicate
+    # Delivered, not yet acknowledged: the source is held.
+    assert w.producer.transfers() == [("t", PState.DELIVERED)]
+    assert w.producer.held_blocks == 2
+    w.deliver(_index(w, Register))  # the first copy
     assert not any(isinstance(m.message, Rejected) for m in w.net.queue)
+    assert w.producer.transfers() == [("t", PState.DELIVERED)]
+    w.advance(0.6)  # within max_transit of the send: the last copy is still in flight
+    assert w.source_outcomes["t"] is ReleaseOutcome.DELIVERED  # the hold expired
+    assert w.producer.held_blocks == 0
+    assert w.producer.transfers() == [("t", PState.RELEASED)]
+    w.deliver(_index(w, Register))  # the second copy reaches the tombstone
+    assert not any(isinstance(m.message, Rejected) for m in w.net.queue)
+    assert w.producer.stats()["register_duplicate"] == 2
     w.quiesce()
     assert w.ready == {"t"}
     assert not w.failed
@@ -144,3 +159,122 @@ def test_a_registration_copy_after_unknown_peer_is_not_served() -> None:
     assert w.ops == []
     w.quiesce()
     assert w.producer.stats()["register_stale"] == 1
+
+
+def test_a_hung_write_keeps_its_blocks_suspect_and_the_world_still_quiesces() -> None:
+    """A write that never completes, with its producer connected: no timer
+    declares it dead, so the decode's blocks stay suspect (probed for ever,
+    nothing answers). The property machine found the model's quiescence
+    looping on those probes; it must end, and I3 excuses exactly that
+    transfer's blocks."""
+    w = World(WorldConfig(ready_timeout=5.0, kv_hold_timeout=3.0, tombstone_ttl=5.0))
+    assert w.reserve("t0") and w.kv_ready("t0")
+    while w.net.queue:
+        w.deliver(0)
+    w.post(0)
+    w.hang(0)
+    for tid in ("t1", "t2"):
+        assert w.reserve(tid) and w.kv_ready(tid)
+    w.quiesce()
+    assert w.hung == {("t0", 1)}
+    assert [(t, st) for t, _, st in w.consumer.reservations()] == [("t0", CState.SUSPECT)]
+    assert w.consumer.suspect_blocks == w.consumer.reserved_blocks == 2
+    assert w.consumer.next_deadline() is not None  # the next probe
+
+
+def test_a_copy_of_a_taken_registration_reaching_a_producer_that_lost_the_decode() -> None:
+    """Only the prefill saw the connection go; a duplicate of the Register it
+    took (its write in flight) then arrives from the now unknown decode. It
+    must not be answered Rejected(UNKNOWN_PEER): the decode would free the
+    blocks and the write land in them (found while reviewing issue 16)."""
+    w = World(WorldConfig(ready_timeout=5.0, kv_hold_timeout=100.0, tombstone_ttl=200.0))
+    assert w.reserve("t0")
+    i = _index(w, Register)
+    w.net.duplicate(i)
+    w.deliver(i)
+    assert w.kv_ready("t0")
+    w.post(0)
+    w.producer.peer_lost(w.clock.now, "decode")
+    w.pump()
+    w.deliver(_index(w, Register))  # the copy
+    assert not any(isinstance(m.message, Rejected) for m in w.net.queue)
+    assert w.producer.stats()["register_copy_from_unready_peer"] == 1
+    w.land(0)  # the checker fails here if the blocks were freed
+    assert [(t, st) for t, _, st in w.consumer.reservations()] == [("t0", CState.AWAITING)]
+
+
+def test_suspect_probes_heal_a_handshake_only_the_producer_lost() -> None:
+    """The prefill took the registration, then saw the connection go and come
+    back and redid its side of the handshake; the decode saw nothing and,
+    being ready, answered none of its hellos. The reservation failed at its
+    deadline and became suspect at its quarantine; its probes reached a
+    producer that ignores an unknown peer, for ever (the property machine
+    found the world never quiescing). The probes now carry our hello: the
+    handshake heals and the probe is answered."""
+    w = World(WorldConfig(ready_timeout=5.0, kv_hold_timeout=3.0, tombstone_ttl=5.0))
+    assert w.reserve("t0")
+    w.deliver(_index(w, Register))
+    w.producer.peer_lost(w.clock.now, "decode")
+    w.producer.connection_up(w.clock.now, "decode")
+    w.pump()
+    while w.net.queue:  # the producer's hellos, which the ready decode ignores
+        w.deliver(0)
+    w.advance(5.0 + 1.0 + 2.0 + 0.01)  # deadline, quarantine: suspect
+    assert [(t, st) for t, _, st in w.consumer.reservations()] == [("t0", CState.SUSPECT)]
+    w.quiesce()
+    assert w.consumer.reservations() == []
+    assert w.producer.peer("decode").state is PeerState.READY
+
+
+def test_a_stall_of_a_restarted_prefill_does_not_resume_the_dead_ones_writes() -> None:
+    """The model's own bug, found by the long property run: a prefill died
+    with a write posted and was restarted; a stall of the *new* process made
+    the dead one's write unbounded, so it landed after the decode had
+    released its blocks; so did one the dead process's own stall had made
+    unbounded before it died. A dead process's write lands within its bound
+    (from its death) or never; only the live process's posted writes wait
+    for it to run."""
+    w = World(WorldConfig(ready_timeout=5.0, kv_hold_timeout=3.0, tombstone_ttl=5.0))
+    assert w.kv_ready("t2") and w.reserve("t2")
+    w.deliver(_index(w, Register))
+    w.post(0)
+    assert w.stall("prefill", 0.6) and w.ops[0].unbounded
+    assert w.kill_producer(detected=False) and w.restart_producer()
+    assert w.stall("prefill", 20.0)
+    assert not any(op.unbounded for op in w.ops)
+    for k in reversed(range(len(w.ops))):  # whatever is left may still land
+        w.land(k)
+    w.quiesce()
+
+
+def test_a_pull_read_resumed_past_the_lent_quarantine_is_never_ready() -> None:
+    """Found by the long property run once a stalled decode's reads became
+    unbounded: the producer's lent quarantine (a timer) released the source,
+    then the decode, stalled with its read posted, resumed and the read moved
+    reused bytes. Safe only because it lands past the deadline, where the
+    consumer steps the deadline first: the checker now accepts such a read
+    exactly then, and fails a Ready built on it."""
+    from kvpush.testing._machine import ProtocolMachine
+
+    m = ProtocolMachine()
+    m.setup(config=WorldConfig(ready_timeout=20.0, kv_hold_timeout=3.0, tombstone_ttl=5.0))
+    m.kv_ready(tid="t0")
+    m.reserve(mode=Mode.PUSH, tid="t0")
+    for _ in range(3):
+        m.advance(dt=0.001)
+    m.reconnect(coin=0, detected=True)
+    m.progress(picks=[0, 0])
+    for _ in range(7):
+        m.advance(dt=0.001)
+    m.reserve(mode=Mode.PULL, tid="t0")
+    m.deliver(i=0)
+    m.deliver(i=0)
+    m.stall(coin=0, gap=20.0, who="prefill")
+    m.kv_ready(tid="t0")
+    m.progress(picks=[0])
+    m.stall(coin=0, gap=3.0, who="decode")
+    m.progress(picks=[0])
+    m.teardown()
+    w = m.world
+    assert w.checker.res[("t0", 2)].tainted
+    assert "t0" not in w.ready

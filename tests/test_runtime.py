@@ -236,6 +236,11 @@ async def test_transfers_over_tcp_and_shared_memory(
             in text
         )
         assert 'kvpush:blocks{engine="prefill",kind="held",role="producer"} 0.0' in text
+        decode = CollectorRegistry()
+        EndpointMetrics(cons.runtime.endpoint, cons.dataplane, registry=decode)
+        for kind in ("reserved", "suspect"):
+            labels = {"role": "consumer", "engine": cons.runtime.endpoint.identity.engine_id}
+            assert decode.get_sample_value("kvpush:blocks", {**labels, "kind": kind}) == 0
         moved = registry.get_sample_value(
             "kvpush:transfer_bytes_total", {"role": "producer", "engine": "prefill"}
         )

@@ -17,6 +17,8 @@ from kvpush.protocol import (
     PeerFailed,
     Producer,
     ProducerConfig,
+    PState,
+    ReadDone,
     Register,
     Rejected,
     RejectReason,
@@ -127,6 +129,14 @@ def test_replay_after_release_hits_the_tombstone() -> None:
     (write,) = pair.writes()
     pair.producer.write_done(0.1, "t", write.epoch, write.route.source, write.route.consumer_rank)
     pair.pump(0.1)
+    assert pair.producer.transfers() == [("t", PState.DELIVERED)]  # held until acknowledged
+    # The notice lands: the consumer is ready and its ReadDone (over the codec)
+    # ends the producer's hold; only now is the record a tombstone.
+    pair.consumer.completion_received(0.15, P, write.notice)
+    pair.pump(0.15)
+    acks = [o.message for o in pair.d_out if isinstance(o, Send)]
+    assert ReadDone("t", write.epoch, True) in acks
+    assert pair.producer.transfers() == [("t", PState.RELEASED)]
     pair.inject(Register("t", write.epoch + 5, D, ((3, 4),), 5.0), 0.2)
     assert len(pair.writes()) == 1
     assert pair.rejections()[-1].reason is RejectReason.RELEASED

@@ -131,6 +131,7 @@ class PrefillLeader(Leader):
                     tl.write_started,
                     last_write_done(tl),
                     ops_summary(tl),
+                    tl.released,
                 )
             )
         elif isinstance(ev, PeerFailed):

@@ -25,8 +25,11 @@ in ``unstamped``):
 * ttft: dispatch -> ``Ready`` delivered
 
 ``handoff_overhead`` is ``(Ready delivered - kv_ready)`` minus a raw copy of
-the request's bytes: what the handoff costs on top of moving them. Only
-completed requests count.
+the request's bytes: what the handoff costs on top of moving them.
+``source_held`` is ``kv_ready`` -> the prefill released the source blocks, and
+``held_for_ack`` the part of it after the last write settled: the prefill
+keeps delivered KV until the decode acknowledges it (docs/protocol.md, "Hold
+until acknowledged"). Only completed requests count.
 
 ``instances`` has, for every instance, its side, TP, the completed requests
 it ``served`` and its ``leaked_blocks``; ``pairs`` counts the completed
@@ -68,6 +71,8 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("ready", "ready"),
     ("ttft", "TTFT (dispatch -> Ready delivered)"),
     ("handoff_overhead", "handoff overhead"),
+    ("source_held", "source KV held (prefill)"),
+    ("held_for_ack", "  of which after the writes"),
 )
 
 #: The phases that follow each other from dispatch to Ready delivered.
@@ -124,6 +129,10 @@ def _phases(rec: RequestRecord, raw_ms: float) -> dict[str, float | None]:
         "ttft": _ms(rec.dispatched, c.delivered),
         # KV ready at prefill -> Ready delivered at decode, minus a raw copy.
         "handoff_overhead": None if end_to_end is None else end_to_end - raw_ms,
+        # Off the chain: kv_ready -> the source released, and the part of it
+        # after the last write settled (the hold until the decode's ack).
+        "source_held": _ms(p.kv_ready, p.released),
+        "held_for_ack": _ms(p.write_done, p.released),
     }
 
 

@@ -155,6 +155,8 @@ class ProducerResult:
     #: Push, from the data plane's stamps of the writes: the last plan done,
     #: the longest planning and posting (seconds), the last write settled.
     ops: OpsSummary | None = None
+    #: When the source blocks were released (after the decode's acknowledgment).
+    released: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ Control frame (:meth:`Codec.encode` / :meth:`Codec.decode`)::
 
     type  1 Hello   2 HelloReject  3 Register  4 Withdraw   5 Abort    6 Settled
           7 Rejected  8 WriteFailed  9 Announce  10 ReadDone  11 Heartbeat
+          12 Renew     13 Extend
 
 Completion notice (:meth:`Codec.encode_notice`), sized to ride inside a
 transport's transfer notification, so fixed fields instead of msgpack::

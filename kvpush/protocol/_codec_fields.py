@@ -24,12 +24,14 @@ from ._layout import MAX_REGIONS, KVLayout
 from ._messages import (
     Abort,
     Announce,
+    Extend,
     Heartbeat,
     Hello,
     HelloReject,
     ReadDone,
     Register,
     Rejected,
+    Renew,
     Settled,
     Withdraw,
     WriteFailed,
@@ -360,6 +362,8 @@ TYPE_CODES: dict[type[Any], int] = {
     Announce: 9,
     ReadDone: 10,
     Heartbeat: 11,
+    Renew: 12,
+    Extend: 13,
 }
 
 
@@ -411,5 +415,7 @@ def schemas(lim: CodecLimits) -> dict[type[Any], Schema]:
         WriteFailed: (*key, ("source", source), ("consumer_rank", rank), ("detail", detail)),
         Announce: (*key, ("blocks", blocks), ("lease", lease)),
         ReadDone: (*key, ("ok", flag)),
+        Renew: key,
+        Extend: (*key, ("attempt", attempt), ("lease", lease)),
         Heartbeat: (("seq", _int_kind(0, U64_MAX)),),
     }

@@ -13,6 +13,10 @@ from ._types import MAX_ID_LEN, Mode, Role
 
 __all__ = ("ConsumerConfig", "Identity", "ProducerConfig", "Timing")
 
+#: ``max_ready_timeout`` / ``max_kv_hold_timeout`` unless configured, as a
+#: multiple of the base timeout.
+RENEW_LIMIT = 10
+
 
 #: ``Timing.max_transit`` unless configured (seconds).
 _MAX_TRANSIT = 2.0
@@ -145,9 +149,16 @@ class ConsumerConfig:
     """Decode-side settings.
 
     ``ready_timeout``: a reservation that is not ready this many seconds after
-    it was made fails. ``max_reserved_blocks``: budget over all reservations,
-    draining ones included (``None`` = unlimited). ``epoch_base``: epochs this
-    endpoint hands out start above it (use e.g. a start timestamp).
+    it was made fails, unless its producer renews it (it is still computing):
+    each renewal moves the deadline to ``ready_timeout`` after it, never past
+    ``max_ready_timeout`` after the reservation (``None``: ten times
+    ``ready_timeout``). ``max_reserved_blocks``: budget over all reservations,
+    draining and suspect ones included (``None`` = unlimited).
+    ``max_suspect_blocks``: while a producer keeps more suspect blocks than
+    this (failed epochs it neither settled nor was lost after their
+    quarantine), reservations from it are refused (``PEER_SUSPECT``).
+    ``epoch_base``: epochs this endpoint hands out start above it (use e.g. a
+    start timestamp).
     """
 
     identity: Identity
@@ -155,32 +166,61 @@ class ConsumerConfig:
     ready_timeout: float = 30.0
     max_reserved_blocks: int | None = None
     epoch_base: int = 0
+    max_ready_timeout: float | None = None
+    max_suspect_blocks: int = 0
 
     def __post_init__(self) -> None:
         _positive("ready_timeout", self.ready_timeout)
+        if self.max_ready_timeout is not None:
+            _positive("max_ready_timeout", self.max_ready_timeout)
+            if self.max_ready_timeout < self.ready_timeout:
+                raise ConfigError("max_ready_timeout must be >= ready_timeout")
+        if type(self.max_suspect_blocks) is not int or self.max_suspect_blocks < 0:
+            raise ConfigError("max_suspect_blocks must be an int >= 0")
         if self.max_reserved_blocks is not None and self.max_reserved_blocks < 0:
             raise ConfigError("max_reserved_blocks must be >= 0 or None")
         if self.epoch_base < 0:
             raise ConfigError("epoch_base must be >= 0")
+
+    @property
+    def ready_limit(self) -> float:
+        """Seconds after a reservation past which no renewal moves its deadline."""
+        limit = self.max_ready_timeout
+        return RENEW_LIMIT * self.ready_timeout if limit is None else limit
 
 
 @dataclass(frozen=True, slots=True)
 class ProducerConfig:
     """Prefill-side settings.
 
-    ``kv_hold_timeout``: how long ready KV waits for a usable registration.
-    ``tombstone_ttl``: how long a released transfer keeps rejecting
-    registrations; must exceed ``timing.max_transit`` so that no delayed or
-    duplicated registration can revive it.
+    ``kv_hold_timeout``: how long ready KV waits for a usable registration
+    (or, once delivered, for the consumer's acknowledgment); a decode that
+    cannot reserve yet may ask to keep it (``Renew``), each time for
+    ``kv_hold_timeout`` more, never past ``max_kv_hold_timeout`` after the KV
+    was ready (``None``: ten times ``kv_hold_timeout``). ``tombstone_ttl``:
+    how long a released transfer keeps rejecting registrations; must exceed
+    ``timing.max_transit`` so that no delayed or duplicated registration can
+    revive it.
     """
 
     identity: Identity
     timing: Timing = Timing()
     kv_hold_timeout: float = 30.0
     tombstone_ttl: float = 60.0
+    max_kv_hold_timeout: float | None = None
 
     def __post_init__(self) -> None:
         _positive("kv_hold_timeout", self.kv_hold_timeout)
+        if self.max_kv_hold_timeout is not None:
+            _positive("max_kv_hold_timeout", self.max_kv_hold_timeout)
+            if self.max_kv_hold_timeout < self.kv_hold_timeout:
+                raise ConfigError("max_kv_hold_timeout must be >= kv_hold_timeout")
         _positive("tombstone_ttl", self.tombstone_ttl)
         if self.tombstone_ttl <= self.timing.max_transit:
             raise ConfigError("tombstone_ttl must exceed timing.max_transit")
+
+    @property
+    def hold_limit(self) -> float:
+        """Seconds after ``kv_ready`` past which no keep request extends the hold."""
+        limit = self.max_kv_hold_timeout
+        return RENEW_LIMIT * self.kv_hold_timeout if limit is None else limit

@@ -20,9 +20,11 @@ from ._messages import (
     Announce,
     Completion,
     ControlMessage,
+    Extend,
     ReadDone,
     Register,
     Rejected,
+    Renew,
     Settled,
     Withdraw,
     WriteFailed,
@@ -57,6 +59,10 @@ class RefuseReason(enum.Enum):
     PEER_FAILED = "peer_failed"
     #: The producer does not support the requested mode.
     MODE_UNSUPPORTED = "mode_unsupported"
+    #: The producer keeps more blocks suspect than ``max_suspect_blocks``: it
+    #: is connected but left failed epochs unsettled past their quarantine
+    #: (stopped, or stuck). Route elsewhere, or prefill locally.
+    PEER_SUSPECT = "peer_suspect"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +100,19 @@ _LIVE = frozenset((CState.WAITING_PEER, CState.AWAITING, CState.RETRY_WAIT, CSta
 #: Registrations of one epoch sent again after ``Rejected(STALLED)``.
 STALL_RETRIES = 3
 
+#: A suspect reservation probes its producer (``Withdraw``) on entering
+#: ``SUSPECT`` and again after 2, 4, 8, 8, ... ``max_transit`` while its
+#: producer is connected: an answer may be lost, and nothing else ends it.
+SUSPECT_PROBE_CAP = 8
+
 #: Timers each state keeps armed (everything else is cancelled on entry).
 _TIMERS: dict[CState, tuple[Timer, ...]] = {
     CState.WAITING_PEER: (Timer.DEADLINE,),
     CState.AWAITING: (Timer.DEADLINE,),
     CState.RETRY_WAIT: (Timer.DEADLINE, Timer.RETRY),
-    CState.READING: (Timer.DEADLINE, Timer.OP),
-    CState.READ_DRAIN: (Timer.OP,),
+    CState.READING: (Timer.DEADLINE,),
     CState.DRAINING: (Timer.QUARANTINE,),
+    CState.SUSPECT: (Timer.RETRY,),  # the next probe; none ends it
 }
 
 
@@ -123,14 +134,20 @@ class _Reservation:
     done: set[Pair] = field(default_factory=set)
     settled: set[Pair] = field(default_factory=set)
     quarantine_at: float = 0.0
-    op_deadline: float = 0.0
     failed: bool = False
+    #: The producer instance the registration went to, and its op bound
+    #: (from its hello).
+    instance: int = -1
+    op_bound: float = 0.0
     #: Pull: what to tell the producer once our reads settle.
     after_reads: CInput | None = None
     #: This epoch's registration attempt (see ``CState.RETRY_WAIT``), and
     #: when the next one goes out.
     attempt: int = 0
     retry_at: float = 0.0
+    #: Probes sent while ``SUSPECT`` (up to the backoff's cap; see
+    #: ``SUSPECT_PROBE_CAP``).
+    probes: int = 0
     timers: dict[Timer, float] = field(default_factory=dict)
 
 
@@ -152,6 +169,8 @@ class Consumer(Endpoint):
         self._live: dict[str, _Reservation] = {}
         self._epoch = config.epoch_base
         self._reserved_blocks = 0
+        #: Suspect blocks per producer (see ``CState.SUSPECT``).
+        self._suspect: dict[str, int] = {}
 
     # --- queries ------------------------------------------------------------
 
@@ -159,6 +178,16 @@ class Consumer(Endpoint):
     def reserved_blocks(self) -> int:
         """Blocks currently reserved, draining reservations included."""
         return self._reserved_blocks
+
+    @property
+    def suspect_blocks(self) -> int:
+        """Blocks held as suspect: failed push epochs whose quarantine passed
+        while their producer was connected and had not settled them."""
+        return sum(self._suspect.values())
+
+    def suspect_blocks_of(self, peer: str) -> int:
+        """Suspect blocks held for producer ``peer``."""
+        return self._suspect.get(peer, 0)
 
     def reservations(self) -> list[tuple[str, int, CState]]:
         """(transfer id, epoch, state) of every reservation not yet ended."""
@@ -196,7 +225,7 @@ class Consumer(Endpoint):
             )
         view = self._peers.get(peer)
         nblocks = sum(map(len, ids))
-        reason = self._refusal(view, mode, nblocks)
+        reason = self._refusal(peer, view, mode, nblocks)
         if reason is not None:
             return Refused(transfer_id, reason)
         self._epoch += 1
@@ -229,9 +258,14 @@ class Consumer(Endpoint):
             self.connect(now, peer)
         return Reserved(transfer_id, rec.epoch)
 
-    def _refusal(self, view: PeerView | None, mode: Mode, nblocks: int) -> RefuseReason | None:
+    def _refusal(
+        self, peer: str, view: PeerView | None, mode: Mode, nblocks: int
+    ) -> RefuseReason | None:
         if view is not None and view.state is PeerState.FAILED:
             return RefuseReason.PEER_FAILED
+        if self._suspect.get(peer, 0) > self.config.max_suspect_blocks:
+            self._counters["refused_suspect"] += 1
+            return RefuseReason.PEER_SUSPECT
         if mode not in self.identity.modes or (
             view is not None and view.hello is not None and mode not in view.hello.modes
         ):
@@ -253,6 +287,34 @@ class Consumer(Endpoint):
             return False
         self._step(now, rec, CInput.PREEMPT)
         return True
+
+    def keep(self, now: float, transfer_id: str, peer: str) -> bool:
+        """Ask producer ``peer`` to keep the ready KV of ``transfer_id`` that
+        this side cannot reserve for yet (no free blocks): its hold is
+        extended by its ``kv_hold_timeout``, up to its ``max_kv_hold_timeout``.
+        Call it at most every few seconds while the request waits. Returns
+        whether it was sent (the handshake with ``peer`` is done)."""
+        check_transfer_id(transfer_id)
+        view = self._peers.get(peer)
+        if view is None or view.state is not PeerState.READY:
+            return False
+        self._counters["keep_sent"] += 1
+        self._out.append(Send(peer, Renew(transfer_id, 0)))
+        return True
+
+    def peer_gone(self, now: float, peer: str) -> int:
+        """The caller knows that producer ``peer``'s process is gone (its pod
+        was deleted, its host fenced): proof that releases its suspect
+        blocks once a fresh quarantine has passed (a write it had queued may
+        still be placed by our transport meanwhile). A lost connection alone
+        is no such proof. Returns the number of suspect reservations."""
+        view = self._peers.get(peer)
+        if view is not None and view.state is not PeerState.DISCONNECTED:
+            self.peer_lost(now, peer)
+        gone = [r for r in self._res.values() if r.peer == peer and r.state is CState.SUSPECT]
+        for rec in gone:
+            self._step(now, rec, CInput.PEER_DOWN, remote=True)
+        return len(gone)
 
     def abort(self, now: float, transfer_id: str) -> bool:
         """Abort ``transfer_id``; harmless (returns False) if there is none."""
@@ -326,6 +388,11 @@ class Consumer(Endpoint):
         if rec.state not in (CState.READING, CState.READ_DRAIN) or pair in rec.settled:
             self._counters["read_result_late"] += 1
             return
+        if rec.state is CState.READING and now >= rec.deadline:
+            # Past the deadline the producer may have released the source at
+            # its quarantine and reused it, so a read finishing now may hold
+            # another request's bytes: the deadline comes first.
+            self._step(now, rec, CInput.DEADLINE)
         rec.settled.add(pair)
         if ok:
             rec.done.add(pair)
@@ -345,13 +412,9 @@ class Consumer(Endpoint):
 
     def _on_message(self, now: float, peer: str, message: ControlMessage) -> None:
         if isinstance(message, Abort):
-            rec = self._live.get(message.transfer_id)
-            if rec is None or rec.peer != peer:
-                self._counters["abort_stale"] += 1
-                return
-            self._step(now, rec, CInput.PEER_ABORT, remote=True)
+            self._peer_abort(now, peer, message)
             return
-        if not isinstance(message, (Settled, Rejected, WriteFailed, Announce)):
+        if not isinstance(message, (Settled, Rejected, WriteFailed, Announce, Renew)):
             self._counters[f"unexpected_{type(message).__name__}"] += 1
             return
         if isinstance(message, Rejected) and message.reason is RejectReason.UNKNOWN_PEER:
@@ -359,12 +422,13 @@ class Consumer(Endpoint):
             # did not): introduce ourselves again; it answers every hello.
             self._counters["hello_resent_unknown_peer"] += 1
             self._out.append(Send(peer, self._hello))
-        rec = self._res.get((message.transfer_id, message.epoch))
-        if rec is None or rec.peer != peer:
-            self._counters[f"stale_{type(message).__name__}"] += 1
+        rec = self._addressee(peer, message)
+        if rec is None:
             return
         if isinstance(message, Settled):
             self._step(now, rec, CInput.SETTLED, remote=True)
+        elif isinstance(message, Renew):
+            self._renew(now, rec)
         elif isinstance(message, Rejected):
             self._rejected(now, rec, message)
         elif isinstance(message, WriteFailed):
@@ -373,6 +437,28 @@ class Consumer(Endpoint):
             self._counters["announce_invalid"] += 1
         else:
             self._announce(now, rec, message)
+
+    def _peer_abort(self, now: float, peer: str, message: Abort) -> None:
+        rec = self._live.get(message.transfer_id)
+        if rec is None or rec.peer != peer:
+            self._counters["abort_stale"] += 1
+            return
+        self._step(now, rec, CInput.PEER_ABORT, remote=True)
+
+    def _addressee(
+        self, peer: str, message: Settled | Rejected | WriteFailed | Announce | Renew
+    ) -> _Reservation | None:
+        """The reservation ``message`` from ``peer`` is about, if it may speak for it."""
+        rec = self._res.get((message.transfer_id, message.epoch))
+        if rec is None or rec.peer != peer:
+            self._counters[f"stale_{type(message).__name__}"] += 1
+            return None
+        hello = self._peers[peer].hello
+        if rec.instance >= 0 and (hello is None or hello.instance != rec.instance):
+            # From a restarted producer: it speaks for none of the old one's writes.
+            self._counters["message_from_other_instance"] += 1
+            return None
+        return rec
 
     def _rejected(self, now: float, rec: _Reservation, message: Rejected) -> None:
         if message.attempt != rec.attempt:
@@ -392,6 +478,43 @@ class Consumer(Endpoint):
         inp = CInput.STALLED if again else CInput.REJECTED
         self._step(now, rec, inp, remote=True, detail=message.reason.value)
 
+    def _renew(self, now: float, rec: _Reservation) -> None:
+        """The producer holds our registration and still computes: move the
+        deadline (and with it the quarantine) to ``ready_timeout`` from now,
+        within the limit, *then* grant the producer the lease up to it."""
+        if not self._step(now, rec, CInput.RENEW, remote=True):
+            return
+        assert rec.timeline.reserved is not None
+        limit = rec.timeline.reserved + self.config.ready_limit
+        deadline = min(now + self.config.ready_timeout, limit)
+        if deadline > rec.deadline:
+            rec.quarantine_at += deadline - rec.deadline
+            rec.deadline = deadline
+            rec.timeline.renewed.append(now)
+            self._counters["renewed"] += 1
+            self._arm_for(rec)
+        else:
+            self._counters["renew_at_limit" if deadline >= limit else "renew_not_needed"] += 1
+        # Always answer: an earlier Extend may have been lost or dropped.
+        lease = rec.deadline - now
+        message = Extend(rec.transfer_id, rec.epoch, rec.attempt, lease)
+        self._out.append(Send(rec.peer, message))
+
+    def _probe(self, now: float, rec: _Reservation) -> None:
+        """Ask the producer of a suspect epoch to settle it: it answers a
+        ``Withdraw`` with ``Settled`` once nothing of that epoch is in flight
+        (at once if nothing is), and never takes that epoch again. After the
+        first probe our hello goes first: a producer that lost our handshake
+        while we did not (it ignores what an unknown peer sends, and we answer
+        no hello while ready) learns who we are again, and one that knows us
+        answers it with a hello we count as a duplicate."""
+        if rec.probes:
+            self._out.append(Send(rec.peer, self._hello))
+        rec.probes = min(rec.probes + 1, SUSPECT_PROBE_CAP.bit_length() - 1)
+        self._counters["suspect_probe"] += 1
+        self._out.append(Send(rec.peer, Withdraw(rec.transfer_id, rec.epoch)))
+        rec.retry_at = now + 2**rec.probes * self.config.timing.max_transit
+
     def _write_failed(self, now: float, rec: _Reservation, message: WriteFailed) -> None:
         pair = self._valid_pair(rec, message.source, message.consumer_rank, "write_failed")
         if pair is None:
@@ -409,8 +532,6 @@ class Consumer(Endpoint):
 
     def _announce(self, now: float, rec: _Reservation, message: Announce) -> None:
         not_after = now + message.lease
-        if rec.state is CState.AWAITING:
-            rec.op_deadline = not_after + self.config.timing.op_bound
         if not self._step(now, rec, CInput.ANNOUNCE, remote=True):
             return
         assert rec.topology is not None
@@ -432,16 +553,33 @@ class Consumer(Endpoint):
         pass
 
     def _on_peer_ready(self, now: float, peer: str) -> None:
+        view = self._peers[peer]
+        assert view.hello is not None
         for rec in list(self._res.values()):
             if rec.peer == peer and rec.state is CState.WAITING_PEER:
                 # A handshake that finished after the deadline grants no lease.
                 late = now >= rec.deadline
                 self._step(now, rec, CInput.DEADLINE if late else CInput.PEER_READY)
+            elif rec.peer == peer and rec.state is CState.SUSPECT:
+                if view.hello.instance != rec.instance:
+                    # A new instance: the one that may still write is gone.
+                    self._step(now, rec, CInput.PEER_DOWN, remote=True)
+                else:  # the same process is back: ask it again
+                    rec.probes = 0
+                    self._probe(now, rec)
+                    self._arm_for(rec)
 
     def _on_peer_down(self, now: float, peer: str, reason: FailureReason, detail: str) -> None:
         for rec in list(self._res.values()):
-            if rec.peer == peer:
-                self._step(now, rec, CInput.PEER_DOWN, remote=True, detail=detail, reason=reason)
+            if rec.peer != peer:
+                continue
+            if rec.state is CState.SUSPECT:
+                # A lost connection proves nothing of a process that was
+                # already silent past its quarantine (stopped, or cut off):
+                # its queued write may land when it runs again.
+                self._counters["suspect_peer_lost"] += 1
+                continue
+            self._step(now, rec, CInput.PEER_DOWN, remote=True, detail=detail, reason=reason)
 
     # --- timers ---------------------------------------------------------------------
 
@@ -454,14 +592,22 @@ class Consumer(Endpoint):
         del rec.timers[kind]
         if kind is Timer.DEADLINE:
             self._step(now, rec, CInput.DEADLINE)
+        elif kind is Timer.RETRY and rec.state is CState.SUSPECT:
+            self._probe(now, rec)
+            self._step(now, rec, CInput.RETRY)
+            self._arm_for(rec)
         elif kind is Timer.RETRY:
             rec.attempt += 1
             self._step(now, rec, CInput.RETRY)
-        elif kind is Timer.QUARANTINE:
-            self._step(now, rec, CInput.QUARANTINE)
-        else:  # Timer.OP: reads past their bound are dead
-            self._counters["read_timeout"] += 1
-            self._step(now, rec, CInput.READS_SETTLED)
+        else:  # Timer.QUARANTINE
+            view = self._peers.get(rec.peer)
+            live = (
+                view is not None
+                and view.state is PeerState.READY
+                and view.hello is not None
+                and view.hello.instance == rec.instance
+            )
+            self._step(now, rec, CInput.QUARANTINE_LIVE if live else CInput.QUARANTINE)
 
     def _arm_for(self, rec: _Reservation) -> None:
         old, rec.timers = rec.timers, {}
@@ -471,8 +617,6 @@ class Consumer(Endpoint):
                 when = rec.deadline
             elif kind is Timer.RETRY:
                 when = rec.retry_at
-            elif kind is Timer.OP:
-                when = rec.op_deadline
             else:
                 when = rec.quarantine_at
             if old.get(kind) == when:  # its heap entry is still queued and valid
@@ -537,13 +681,16 @@ class Consumer(Endpoint):
             rec.failed = True
             rec.timeline.failed = now
             self._out.append(Failed(tid, epoch, reason or _FAILURE[inp], detail))
+        if CState.SUSPECT in (old, new):
+            self._count_suspect(now, rec, old)
         if new is CState.AWAITING:
             self._register(now, rec)
         elif new is CState.READ_DRAIN:
             rec.after_reads = inp
         elif new is CState.READY:
-            if rec.mode is Mode.PULL:
-                self._out.append(Send(rec.peer, ReadDone(tid, epoch, True)))
+            # Pull: our reads are done. Push: the acknowledgment that ends the
+            # producer's hold of the delivered KV.
+            self._out.append(Send(rec.peer, ReadDone(tid, epoch, True)))
             rec.timeline.ready = now
             self._end(rec)
             self._out.append(Ready(tid, epoch, rec.blocks, rec.timeline.freeze()))
@@ -554,19 +701,42 @@ class Consumer(Endpoint):
             self._end(rec)
             self._out.append(Released(tid, epoch, rec.blocks, rec.timeline.freeze()))
             return
+        elif new is CState.DRAINING and old is CState.SUSPECT:
+            # The producer is gone (PEER_DOWN): a fresh quarantine from now.
+            assert inp is CInput.PEER_DOWN
+            rec.quarantine_at = now + self.config.timing.max_transit + rec.op_bound
         elif new is CState.DRAINING:
             self._tell_producer(rec, old, inp)
         self._arm_for(rec)
+
+    def _count_suspect(self, now: float, rec: _Reservation, old: CState) -> None:
+        """Entering ``SUSPECT`` (a write may still land: hold the blocks until
+        a proof arrives, and ask for it) or leaving it."""
+        held = self._suspect.get(rec.peer, 0)
+        if old is CState.SUSPECT:
+            held -= rec.nblocks
+        else:
+            held += rec.nblocks
+            self._counters["suspect"] += 1
+            rec.timeline.suspect = now
+            rec.probes = 0
+            self._probe(now, rec)
+        if held:
+            self._suspect[rec.peer] = held
+        else:
+            del self._suspect[rec.peer]
 
     def _register(self, now: float, rec: _Reservation) -> None:
         view = self._peers[rec.peer]
         assert view.topology is not None and view.hello is not None
         rec.topology = view.topology
         rec.total = view.topology.expected_total
+        rec.instance = view.hello.instance
+        rec.op_bound = view.hello.op_bound
         lease = rec.deadline - now
         # After this send, a write may start until (receipt + lease) and then
         # stay in flight for the producer's op bound: that is the quarantine.
-        rec.quarantine_at = rec.deadline + self.config.timing.max_transit + view.hello.op_bound
+        rec.quarantine_at = rec.deadline + self.config.timing.max_transit + rec.op_bound
         rec.timeline.registration_sent = now
         engine = self.identity.engine_id
         msg = Register(

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from ._config import Identity, Timing
 from ._errors import IncompatiblePeerError, LocalProtocolError, TopologyError
-from ._messages import Announce, ControlMessage, Heartbeat, Hello, HelloReject, Register
+from ._messages import Announce, ControlMessage, Extend, Heartbeat, Hello, HelloReject, Register
 from ._outputs import Output, PeerFailed, PeerReady, Send
 from ._tables import PEER, PeerInput, PeerState
 from ._topology import Topology, compute_topology
@@ -29,17 +29,19 @@ class Timer(enum.Enum):
 
     #: Consumer: the reservation is not ready in time.
     DEADLINE = "deadline"
-    #: Posted reads (consumer) or writes (producer) past their bound are dead.
-    OP = "op"
-    #: No write (consumer) or read (producer) of the epoch can land any more.
+    #: No write (consumer) or read (producer) of the epoch can land any more,
+    #: unless its initiator is connected and silent (consumer: ``SUSPECT``).
     QUARANTINE = "quarantine"
     #: Producer: forget an unused record or a tombstone.
     EXPIRE = "expire"
-    #: Producer: a waiting registration's lease ran out.
+    #: Producer: a waiting registration's lease ran out, or is half gone
+    #: (send a ``Renew``).
     LEASE = "lease"
-    #: Producer: ready KV found no usable registration in time.
+    #: Producer: ready KV found no usable registration in time, or delivered
+    #: KV no acknowledgment.
     HOLD = "hold"
-    #: Consumer: send a registration the producer dropped after a stall again.
+    #: Consumer: send a registration the producer dropped after a stall again
+    #: (``RETRY_WAIT``), or the next probe of a suspect epoch (``SUSPECT``).
     RETRY = "retry"
     #: Handshake: our hello went unanswered; send it again (``HELLO_SENT``).
     HELLO_RETRY = "hello_retry"
@@ -228,7 +230,9 @@ class Endpoint:
         self._counters["stalls"] += 1
         self._stall_until = max(self._stall_until, now + self._timing.stall_guard)
 
-    def _dropped_after_stall(self, now: float, peer: str, message: Register | Announce) -> None:
+    def _dropped_after_stall(
+        self, now: float, peer: str, message: Register | Announce | Extend
+    ) -> None:
         """Answer a lease-bearing message the stall rule dropped, where the
         role can say so without a lease (the producer: ``Rejected``)."""
 
@@ -301,7 +305,7 @@ class Endpoint:
 
     def receive(self, now: float, peer: str, message: ControlMessage) -> None:
         """Feed a control message that arrived from ``peer``."""
-        if now <= self._stall_until and isinstance(message, (Register, Announce)):
+        if now <= self._stall_until and isinstance(message, (Register, Announce, Extend)):
             self._counters["dropped_after_stall"] += 1
             self.stall_dropped += 1
             self._dropped_after_stall(now, peer, message)

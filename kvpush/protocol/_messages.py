@@ -20,19 +20,21 @@ __all__ = (
     "Announce",
     "Completion",
     "ControlMessage",
+    "Extend",
     "Heartbeat",
     "Hello",
     "HelloReject",
     "ReadDone",
     "Register",
     "Rejected",
+    "Renew",
     "Settled",
     "Withdraw",
     "WriteFailed",
 )
 
 #: Version of the control protocol; both peers must speak the same one.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +166,39 @@ class Announce:
 
 @dataclass(frozen=True, slots=True)
 class ReadDone:
-    """Consumer -> producer (pull): every read of (transfer, epoch) has settled."""
+    """Consumer -> producer: the consumer is done with the source of (transfer,
+    epoch). Pull: every read has settled (``ok``: all succeeded). Push: the
+    epoch is ready (always ``ok``), the acknowledgment that ends the
+    producer's hold of delivered KV (docs/protocol.md, "Hold until
+    acknowledged")."""
 
     transfer_id: str
     epoch: int
     ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Renew:
+    """Either way: "still working on this transfer, keep it". Producer ->
+    consumer: it holds the registration of ``epoch`` and is still computing
+    the KV (the consumer answers :class:`Extend`). Consumer -> producer,
+    ``epoch`` 0: a decode that cannot reserve yet asks the producer to keep
+    the ready KV (its hold is extended)."""
+
+    transfer_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Extend:
+    """Consumer -> producer: the registration of (transfer, epoch, attempt)
+    may start its writes (or lend) until ``lease`` seconds after receipt; the
+    consumer moved its deadline and quarantine before sending it."""
+
+    transfer_id: str
+    epoch: int
+    attempt: int
+    lease: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,5 +230,7 @@ ControlMessage = (
     | WriteFailed
     | Announce
     | ReadDone
+    | Renew
+    | Extend
     | Heartbeat
 )

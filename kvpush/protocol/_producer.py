@@ -8,7 +8,9 @@ performs the side effects of those transitions: those of the state entered
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -22,9 +24,11 @@ from ._messages import (
     Announce,
     Completion,
     ControlMessage,
+    Extend,
     ReadDone,
     Register,
     Rejected,
+    Renew,
     Settled,
     Withdraw,
     WriteFailed,
@@ -100,26 +104,35 @@ class _Transfer:
     ending: ReleaseOutcome | None = None
     #: The epoch whose writes were all delivered (kept by the tombstone).
     delivered_epoch: int = -1
+    #: The newest epoch the consumer acknowledged (push: its completion
+    #: notices can reach it before our own transport reports the writes done).
+    acked_epoch: int = -1
     hold_until: float = 0.0
-    op_deadline: float = 0.0
+    #: WAIT_KV: when the next Renew goes out (``inf``: none before the lease ends).
+    renew_at: float = math.inf
     quarantine_at: float = 0.0
     expires_at: float = 0.0
     timers: dict[Timer, float] = field(default_factory=dict)
+
+
+def _lease_timer(rec: _Transfer) -> float:
+    """WAIT_KV's timer: the next renewal, or the end of the lease."""
+    assert rec.reg is not None
+    return min(rec.renew_at, rec.reg.lease_until)
 
 
 #: The timer each state keeps armed, and the time it fires at (everything else
 #: is cancelled on entry).
 _TIMERS: dict[PState, tuple[Timer, Callable[[_Transfer], float]]] = {
     PState.IDLE: (Timer.EXPIRE, attrgetter("expires_at")),
-    PState.WAIT_KV: (Timer.LEASE, attrgetter("reg.lease_until")),
+    PState.WAIT_KV: (Timer.LEASE, _lease_timer),
     PState.HOLDING: (Timer.HOLD, attrgetter("hold_until")),
-    PState.WRITING: (Timer.OP, attrgetter("op_deadline")),
-    PState.DRAINING: (Timer.OP, attrgetter("op_deadline")),
+    PState.DELIVERED: (Timer.HOLD, attrgetter("hold_until")),
     PState.LENT: (Timer.QUARANTINE, attrgetter("quarantine_at")),
     PState.RELEASED: (Timer.EXPIRE, attrgetter("expires_at")),
 }
 
-#: The input each timer feeds (the op timer fails the writes still in flight).
+#: The input each timer feeds (the lease timer also renews, see ``_fire``).
 _FIRES: dict[Timer, PInput] = {
     Timer.EXPIRE: PInput.EXPIRED,
     Timer.LEASE: PInput.LEASE_EXPIRED,
@@ -131,8 +144,11 @@ _FIRES: dict[Timer, PInput] = {
 #: writes start; KV that is ready after the release is released at once.
 _REENTER = frozenset((PInput.SETTLED_NEXT, PInput.KV_READY))
 
-#: Self-loops that move their state's deadline (a newer epoch's lease or writes).
-_REARM = frozenset((PInput.SETTLED_NEXT, PInput.REGISTER))
+#: Self-loops that move their state's deadline (a newer epoch's lease or
+#: writes, a renewal, an extended lease or hold).
+_REARM = frozenset(
+    (PInput.SETTLED_NEXT, PInput.REGISTER, PInput.RENEW, PInput.EXTEND, PInput.KEEP)
+)
 
 #: Inputs that end the transfer, whatever its state.
 _ABORTS = frozenset((PInput.ABORT, PInput.PEER_ABORT, PInput.PEER_ABORT_NEWER))
@@ -141,6 +157,7 @@ _ABORTS = frozenset((PInput.ABORT, PInput.PEER_ABORT, PInput.PEER_ABORT_NEWER))
 #: aborts), unless the transfer ended for a reason of its own (``ending``).
 _OUTCOMES: dict[PInput, ReleaseOutcome] = {
     PInput.SETTLED_DELIVERED: ReleaseOutcome.DELIVERED,
+    PInput.SETTLED_ACKED: ReleaseOutcome.DELIVERED,
     PInput.READ_DONE: ReleaseOutcome.DELIVERED,
     PInput.SETTLED_FAILED: ReleaseOutcome.FAILED,
     PInput.QUARANTINE: ReleaseOutcome.EXPIRED,
@@ -259,13 +276,22 @@ class Producer(Endpoint):
     def _on_unready_message(self, now: float, peer: str, message: ControlMessage) -> None:
         if isinstance(message, Register):
             tid = message.transfer_id
+            rec = self._tx.get(tid)
+            if rec is not None and (
+                self._known(rec, message.epoch)
+                or (message.epoch, message.attempt) <= (rec.max_epoch, rec.max_attempt)
+            ):
+                # A copy of a registration we took (its writes may be in
+                # flight) or answered: a Rejected would free blocks a write
+                # may still land in.
+                self._counters["register_copy_from_unready_peer"] += 1
+                return
             reject = Rejected(tid, message.epoch, RejectReason.UNKNOWN_PEER, message.attempt)
             self._out.append(Send(peer, reject))
             # The consumer releases those blocks on this answer, so no copy of
             # this registration (duplicated, or delayed past a redone
             # handshake) may be served: remember its epoch, as for an unknown
             # Withdraw (the record expires after tombstone_ttl > max_transit).
-            rec = self._tx.get(tid)
             if rec is None:
                 rec = self._get(now, tid)
                 rec.peer = peer
@@ -276,18 +302,35 @@ class Producer(Endpoint):
         if isinstance(message, Register):
             self._on_register(now, peer, message)
             return
-        if not isinstance(message, (Withdraw, Abort, ReadDone)):
+        if not isinstance(message, (Withdraw, Abort, ReadDone, Renew, Extend)):
             self._counters[f"unexpected_{type(message).__name__}"] += 1
             return
         rec = self._tx.get(message.transfer_id)
         if rec is not None and rec.peer is not None and rec.peer != peer:
             self._counters["message_from_wrong_peer"] += 1
+        elif isinstance(message, Renew):
+            self._on_keep(now, rec)
+        elif isinstance(message, Extend):
+            self._on_extend(now, rec, message)
         elif isinstance(message, ReadDone):
             self._on_read_done(now, rec, message)
         else:
             self._on_end_of_epoch(now, peer, message)
 
     def _on_read_done(self, now: float, rec: _Transfer | None, message: ReadDone) -> None:
+        if rec is not None and rec.state is PState.WRITING and message.ok:
+            # The ack overtook our transport's report of the writes.
+            self._counters["acked_early"] += 1
+            rec.acked_epoch = max(rec.acked_epoch, message.epoch)
+            return
+        if rec is not None and rec.state is PState.DELIVERED:
+            # Push: the consumer acknowledges its Ready (of this epoch or a later one).
+            if message.epoch < rec.delivered_epoch:
+                self._counters["ack_stale"] += 1
+                return
+            self._counters["acked"] += 1
+            self._step(now, rec, PInput.READ_DONE, remote=True)
+            return
         lent = rec.reg if rec is not None and rec.state is PState.LENT else None
         if rec is None or lent is None or lent.epoch != message.epoch:
             self._counters["read_done_stale"] += 1
@@ -295,6 +338,41 @@ class Producer(Endpoint):
         if not message.ok and rec.ending is None:
             rec.ending = ReleaseOutcome.FAILED
         self._step(now, rec, PInput.READ_DONE, remote=True)
+
+    def _on_keep(self, now: float, rec: _Transfer | None) -> None:
+        """A decode that cannot reserve yet asks to keep the ready KV."""
+        if rec is None or rec.state is not PState.HOLDING:
+            self._counters["keep_ignored"] += 1
+            return
+        assert rec.timeline.kv_ready is not None
+        limit = rec.timeline.kv_ready + self.config.hold_limit
+        until = min(now + self.config.kv_hold_timeout, limit)
+        if until <= rec.hold_until:
+            self._counters["keep_at_limit" if until >= limit else "keep_not_needed"] += 1
+            return
+        self._counters["kept"] += 1
+        rec.hold_until = until
+        self._step(now, rec, PInput.KEEP, remote=True)
+
+    def _on_extend(self, now: float, rec: _Transfer | None, message: Extend) -> None:
+        """The consumer moved its deadline: the registration's lease grows."""
+        reg = rec.reg if rec is not None and rec.state is PState.WAIT_KV else None
+        if (
+            rec is None
+            or reg is None
+            or (reg.epoch, reg.attempt) != (message.epoch, message.attempt)
+            or message.lease <= 0
+        ):
+            self._counters["extend_stale"] += 1
+            return
+        until = now + message.lease
+        if until <= reg.lease_until:
+            self._counters["extend_not_longer"] += 1
+            return
+        self._counters["extended"] += 1
+        rec.reg = dataclasses.replace(reg, lease_until=until)
+        rec.renew_at = self._renew_time(now, until)
+        self._step(now, rec, PInput.EXTEND, remote=True)
 
     def _on_end_of_epoch(self, now: float, peer: str, message: Withdraw | Abort) -> None:
         rec = self._get(now, message.transfer_id)
@@ -381,7 +459,7 @@ class Producer(Endpoint):
         return (
             (reg is not None and reg.epoch == epoch)
             or (pending is not None and pending.epoch == epoch)
-            or (rec.state is PState.RELEASED and epoch == rec.delivered_epoch)
+            or epoch == rec.delivered_epoch
         )
 
     def _refusal(self, rec: _Transfer, msg: Register) -> RejectReason | None:
@@ -397,7 +475,9 @@ class Producer(Endpoint):
             return RejectReason.SUPERSEDED
         return None
 
-    def _dropped_after_stall(self, now: float, peer: str, message: Register | Announce) -> None:
+    def _dropped_after_stall(
+        self, now: float, peer: str, message: Register | Announce | Extend
+    ) -> None:
         # An epoch this producer never took is refused, with the promise of
         # any Rejected: nothing is or will be written for it. So the record
         # keeps the epoch as seen, and a late copy of the same frame is
@@ -432,14 +512,16 @@ class Producer(Endpoint):
             rec.pending = reg
             if rec.state is PState.WRITING:  # the consumer moved on from the live epoch
                 rec.writes = _Writes.WITHDRAWN
-        elif rec.state is PState.HOLDING:
+        elif rec.state in (PState.HOLDING, PState.DELIVERED):
             rec.reg = reg
+            rec.ending = None  # a newer epoch: how it ends is its own
             self._rendezvous(now, rec)
             return
         else:  # IDLE, or WAIT_KV with an older epoch
             if rec.reg is not None:
                 self._reject(rec, rec.reg, RejectReason.SUPERSEDED)
             rec.reg = reg
+            rec.renew_at = self._renew_time(now, reg.lease_until)
         self._step(now, rec, PInput.REGISTER, remote=True)
 
     def _on_peer_ready(self, now: float, peer: str) -> None:
@@ -461,16 +543,22 @@ class Producer(Endpoint):
     def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
         rec = self._tx[key]  # type: ignore[index]
         del rec.timers[kind]
-        inp = _FIRES.get(kind)
-        if inp is not None:
-            self._step(now, rec, inp)
+        reg = rec.reg
+        if kind is Timer.LEASE and reg is not None and now < reg.lease_until:
+            # Still computing, the lease half gone: ask the consumer for more.
+            self._counters["renew_sent"] += 1
+            rec.timeline.renewed.append(now)
+            self._out.append(Send(reg.peer, Renew(rec.transfer_id, reg.epoch)))
+            rec.renew_at = self._renew_time(now, reg.lease_until)
+            self._step(now, rec, PInput.RENEW)
             return
-        # Timer.OP: writes past their bound are dead
-        assert rec.reg is not None
-        epoch = rec.reg.epoch
-        self._counters["write_timeout"] += 1
-        for source, rank in sorted(rec.inflight):
-            self.write_failed(now, rec.transfer_id, epoch, source, rank, "timeout")
+        self._step(now, rec, _FIRES[kind])
+
+    def _renew_time(self, now: float, until: float) -> float:
+        """Halfway to ``until``, unless too little is left for a renewal to
+        come back (a round trip takes up to twice ``max_transit``)."""
+        half = (until - now) / 2
+        return now + half if half > 2 * self.config.timing.max_transit else math.inf
 
     def _arm_for(self, rec: _Transfer) -> None:
         timer = _TIMERS.get(rec.state)
@@ -544,8 +632,11 @@ class Producer(Endpoint):
     def _settled(self, now: float, rec: _Transfer) -> PInput:
         """The input that the last in-flight write's settling feeds."""
         if rec.state is PState.DRAINING or rec.writes is not _Writes.WITHDRAWN:
-            failed = rec.writes is _Writes.FAILING
-            return PInput.SETTLED_FAILED if failed else PInput.SETTLED_DELIVERED
+            if rec.writes is _Writes.FAILING:
+                return PInput.SETTLED_FAILED
+            assert rec.reg is not None
+            acked = rec.state is PState.WRITING and rec.acked_epoch >= rec.reg.epoch
+            return PInput.SETTLED_ACKED if acked else PInput.SETTLED_DELIVERED
         pending = rec.pending
         if pending is None:
             return PInput.SETTLED_IDLE
@@ -589,7 +680,6 @@ class Producer(Endpoint):
         view = self._peers[reg.peer]
         assert view.topology is not None
         tid, epoch = rec.transfer_id, reg.epoch
-        rec.op_deadline = reg.lease_until + self.config.timing.op_bound
         rec.timeline.epoch = epoch
         rec.timeline.write_started = now
         for route in view.topology.routes:
@@ -608,6 +698,15 @@ class Producer(Endpoint):
                     reg.skip_tokens,
                 )
             )
+
+    def _delivered(self, now: float, rec: _Transfer, inp: PInput) -> None:
+        """DELIVERED: every write landed; keep the KV until acknowledged."""
+        assert rec.reg is not None
+        rec.delivered_epoch = rec.reg.epoch
+        rec.ending = ReleaseOutcome.DELIVERED
+        self._send_owed(rec)
+        rec.reg = None
+        rec.hold_until = now + self.config.kv_hold_timeout
 
     def _lend(self, now: float, rec: _Transfer, inp: PInput) -> None:
         """LENT: announce the KV for the rest of the lease."""
@@ -686,8 +785,10 @@ class Producer(Endpoint):
 
     def _send_abort(self, rec: _Transfer, old: PState) -> None:
         """A local abort: tell the consumer of its live epoch (or of the newest
-        epoch it named), unless it was told already or none is known."""
-        if old in (PState.DRAINING, PState.RELEASED) or rec.peer is None:
+        epoch it named), unless it was told already or none is known. From
+        DELIVERED nothing is sent: the consumer has its Ready, and an Abort
+        would fail KV it may not have polled yet."""
+        if old in (PState.DRAINING, PState.DELIVERED, PState.RELEASED) or rec.peer is None:
             return
         epoch = rec.max_epoch if rec.reg is None else rec.reg.epoch
         self._out.append(Send(rec.peer, Abort(rec.transfer_id, epoch)))
@@ -715,6 +816,7 @@ _ENTER: dict[PState, _Entry] = {
     PState.IDLE: Producer._unwait,
     PState.HOLDING: Producer._hold,
     PState.WRITING: Producer._write,
+    PState.DELIVERED: Producer._delivered,
     PState.LENT: Producer._lend,
     PState.RELEASED: Producer._release,
     PState.GONE: Producer._forget,

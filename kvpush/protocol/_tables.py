@@ -103,8 +103,14 @@ class CState(_Enum):
     #: Pull: failed or withdrawn with reads in flight; waiting for them to settle.
     READ_DRAIN = "read_drain"
     #: Push: failed or withdrawn; waiting until no write can land (Settled,
-    #: every pair settled, or the quarantine).
+    #: every pair settled, or the quarantine with the producer gone).
     DRAINING = "draining"
+    #: Push: the quarantine passed, but the producer is connected and has not
+    #: settled the epoch, so a write may still land (a stopped producer
+    #: resumes): the blocks are held, counted as suspect, until it settles
+    #: them, or it is gone and a fresh quarantine passed. It is asked again
+    #: (``Withdraw``, a probe) a few times, in case its answer was lost.
+    SUSPECT = "suspect"
     #: Terminal: every expected source completed; the blocks hold the KV.
     READY = "ready"
     #: Terminal: the blocks were handed back.
@@ -117,7 +123,9 @@ class CInput(_Enum):
     PREEMPT = "preempt"  #: local: withdraw this epoch (a newer one may follow)
     ABORT = "abort"  #: local: the request is gone
     DEADLINE = "deadline"  #: timer: not ready in time
-    QUARANTINE = "quarantine"  #: timer: no write can land any more
+    QUARANTINE = "quarantine"  #: timer: the quarantine passed, the producer is gone
+    QUARANTINE_LIVE = "quarantine_live"  #: timer: the quarantine passed, producer connected
+    RENEW = "renew"  #: producer: still computing; the deadline is extended
     COMPLETION = "completion"  #: an expected completion, not the last
     COMPLETION_LAST = "completion_last"  #: the last expected completion
     WRITE_FAILED = "write_failed"  #: producer: a write failed, not the last pair
@@ -125,7 +133,7 @@ class CInput(_Enum):
     SETTLED = "settled"  #: producer: nothing in flight, nothing will start
     REJECTED = "rejected"  #: producer: registration refused
     STALLED = "stalled"  #: producer: refused after its stall; retry (time and attempts left)
-    RETRY = "retry"  #: timer: register again
+    RETRY = "retry"  #: timer: register again (RETRY_WAIT), or probe again (SUSPECT)
     PEER_ABORT = "peer_abort"  #: producer aborted the transfer
     ANNOUNCE = "announce"  #: pull: the producer's KV is ready
     READ_OK = "read_ok"  #: pull: a read finished, not the last
@@ -144,6 +152,7 @@ _CONSUMER_COMMON: dict[tuple[CState, CInput], CState] = {
     (_C.WAITING_PEER, _I.ABORT): _C.RELEASED,
     (_C.WAITING_PEER, _I.DEADLINE): _C.RELEASED,
     (_C.AWAITING, _I.STALLED): _C.RETRY_WAIT,
+    (_C.AWAITING, _I.RENEW): _C.AWAITING,
     # Nothing of this epoch was taken, and no attempt is out: the blocks are
     # free at once, whatever ends it. A copy of the refused attempt answered
     # again (SUPERSEDED, STALLED) changes nothing.
@@ -176,8 +185,19 @@ CONSUMER_PUSH: Mapping[tuple[CState, CInput], CState] = {
     (_C.DRAINING, _I.SETTLED): _C.RELEASED,
     (_C.DRAINING, _I.REJECTED): _C.RELEASED,
     (_C.DRAINING, _I.QUARANTINE): _C.RELEASED,
+    (_C.DRAINING, _I.QUARANTINE_LIVE): _C.SUSPECT,
     (_C.DRAINING, _I.PEER_ABORT): _C.DRAINING,
     (_C.DRAINING, _I.PEER_DOWN): _C.DRAINING,
+    # No timer: only a proof from the producer ends it, or its loss, after
+    # which a fresh quarantine runs (DRAINING).
+    (_C.SUSPECT, _I.COMPLETION): _C.SUSPECT,
+    (_C.SUSPECT, _I.WRITE_FAILED): _C.SUSPECT,
+    (_C.SUSPECT, _I.PAIRS_SETTLED): _C.RELEASED,
+    (_C.SUSPECT, _I.SETTLED): _C.RELEASED,
+    (_C.SUSPECT, _I.REJECTED): _C.RELEASED,
+    (_C.SUSPECT, _I.PEER_ABORT): _C.SUSPECT,
+    (_C.SUSPECT, _I.PEER_DOWN): _C.DRAINING,
+    (_C.SUSPECT, _I.RETRY): _C.SUSPECT,
 }
 
 CONSUMER_PULL: Mapping[tuple[CState, CInput], CState] = {
@@ -219,6 +239,10 @@ class PState(_Enum):
     HOLDING = "holding"
     #: Push: the live epoch's writes are in flight.
     WRITING = "writing"
+    #: Push: every write of the live epoch landed; the KV is kept until the
+    #: consumer acknowledges its Ready (``ReadDone``), so that a newer epoch
+    #: (a preemption the producer learns of late) is still written.
+    DELIVERED = "delivered"
     #: Aborting: in-flight writes must settle before the KV is released.
     DRAINING = "draining"
     #: Pull: the KV was announced; the consumer reads it.
@@ -236,13 +260,17 @@ class PInput(_Enum):
     RENDEZVOUS_PULL = "rendezvous_pull"  #: the second of KV/registration, pull
     WITHDRAW = "withdraw"  #: remote: the live epoch was preempted
     LEASE_EXPIRED = "lease_expired"  #: timer: the registration's lease ran out
+    RENEW = "renew"  #: timer: still computing; ask the consumer for more lease
+    EXTEND = "extend"  #: remote: the consumer extended the registration's lease
+    KEEP = "keep"  #: remote: a decode that cannot reserve yet asks to keep the KV
     HOLD_EXPIRED = "hold_expired"  #: timer: no usable registration in time
     WRITE_SETTLED = "write_settled"  #: a write finished or failed, not the last
     SETTLED_DELIVERED = "settled_delivered"  #: last write settled, all succeeded
+    SETTLED_ACKED = "settled_acked"  #: ... and the consumer already acknowledged
     SETTLED_FAILED = "settled_failed"  #: last write settled, some failed
     SETTLED_NEXT = "settled_next"  #: last write settled; a newer epoch waits
     SETTLED_IDLE = "settled_idle"  #: last write settled; epoch withdrawn
-    READ_DONE = "read_done"  #: remote (pull): the consumer's reads settled
+    READ_DONE = "read_done"  #: remote: the consumer's reads settled, or its ack (push)
     QUARANTINE = "quarantine"  #: timer (pull): no read can still be running
     ABORT = "abort"  #: local: abort the transfer
     PEER_ABORT = "peer_abort"  #: remote: the consumer aborted
@@ -267,6 +295,8 @@ PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.WAIT_KV, _Q.RENDEZVOUS_PULL): _P.LENT,
     (_P.WAIT_KV, _Q.WITHDRAW): _P.IDLE,
     (_P.WAIT_KV, _Q.LEASE_EXPIRED): _P.IDLE,
+    (_P.WAIT_KV, _Q.RENEW): _P.WAIT_KV,
+    (_P.WAIT_KV, _Q.EXTEND): _P.WAIT_KV,
     (_P.WAIT_KV, _Q.ABORT): _P.RELEASED,
     (_P.WAIT_KV, _Q.PEER_ABORT): _P.RELEASED,
     (_P.WAIT_KV, _Q.PEER_DOWN): _P.IDLE,
@@ -276,16 +306,25 @@ PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.HOLDING, _Q.ABORT): _P.RELEASED,
     (_P.HOLDING, _Q.PEER_ABORT): _P.RELEASED,
     (_P.HOLDING, _Q.PEER_DOWN): _P.HOLDING,
+    (_P.HOLDING, _Q.KEEP): _P.HOLDING,
     (_P.WRITING, _Q.REGISTER): _P.WRITING,
     (_P.WRITING, _Q.WITHDRAW): _P.WRITING,
     (_P.WRITING, _Q.WRITE_SETTLED): _P.WRITING,
-    (_P.WRITING, _Q.SETTLED_DELIVERED): _P.RELEASED,
+    (_P.WRITING, _Q.SETTLED_DELIVERED): _P.DELIVERED,
+    (_P.WRITING, _Q.SETTLED_ACKED): _P.RELEASED,
     (_P.WRITING, _Q.SETTLED_FAILED): _P.RELEASED,
     (_P.WRITING, _Q.SETTLED_NEXT): _P.WRITING,
     (_P.WRITING, _Q.SETTLED_IDLE): _P.HOLDING,
     (_P.WRITING, _Q.ABORT): _P.DRAINING,
     (_P.WRITING, _Q.PEER_ABORT): _P.DRAINING,
     (_P.WRITING, _Q.PEER_DOWN): _P.DRAINING,
+    (_P.DELIVERED, _Q.RENDEZVOUS_PUSH): _P.WRITING,
+    (_P.DELIVERED, _Q.RENDEZVOUS_PULL): _P.LENT,
+    (_P.DELIVERED, _Q.READ_DONE): _P.RELEASED,
+    (_P.DELIVERED, _Q.HOLD_EXPIRED): _P.RELEASED,
+    (_P.DELIVERED, _Q.ABORT): _P.RELEASED,
+    (_P.DELIVERED, _Q.PEER_ABORT): _P.RELEASED,
+    (_P.DELIVERED, _Q.PEER_DOWN): _P.DELIVERED,
     (_P.DRAINING, _Q.REGISTER): _P.DRAINING,
     (_P.DRAINING, _Q.WRITE_SETTLED): _P.DRAINING,
     (_P.DRAINING, _Q.SETTLED_DELIVERED): _P.RELEASED,

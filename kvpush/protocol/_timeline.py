@@ -48,7 +48,11 @@ class Timeline(NamedTuple):
     plane's stamps of each write), ``write_done`` (when the core took each
     write's result) and ``released``. ``delivered`` is not the core's: the
     runtime sets it on a :class:`Ready` when it hands the event to its caller.
-    ``None`` (or empty) means "did not happen" or "not measured".
+    ``renewed``: when each lease renewal happened (consumer: each deadline
+    extension it granted; producer: each :class:`~kvpush.protocol.Renew` it
+    sent). ``suspect`` (consumer): when a failed epoch's quarantine passed
+    with its producer connected and silent, so its blocks were held as
+    suspect. ``None`` (or empty) means "did not happen" or "not measured".
     """
 
     transfer_id: str
@@ -70,6 +74,8 @@ class Timeline(NamedTuple):
     notice_seen: tuple[tuple[Pair, float], ...] = ()
     #: When the runtime handed the Ready to its caller.
     delivered: float | None = None
+    renewed: tuple[float, ...] = ()
+    suspect: float | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +97,8 @@ class TimelineBuilder:
     notice_seen: dict[Pair, float] = field(default_factory=dict)
     #: Never set by the core (see :class:`Timeline`).
     delivered: float | None = None
+    renewed: list[float] = field(default_factory=list)
+    suspect: float | None = None
 
     def freeze(self) -> Timeline:
         """A frozen snapshot."""
@@ -109,4 +117,6 @@ class TimelineBuilder:
             tuple(sorted(self.ops.items())) if self.ops else (),
             tuple(sorted(self.notice_seen.items())) if self.notice_seen else (),
             self.delivered,
+            tuple(self.renewed),
+            self.suspect,
         )

@@ -123,6 +123,9 @@ class EndpointMetrics(Collector):
         )
         if isinstance(ep, Consumer):
             blocks.add_metric([*values, "reserved"], ep.reserved_blocks)
+            # Of those, held past their quarantine until the producer proves
+            # that no write can land (docs/protocol.md, SUSPECT).
+            blocks.add_metric([*values, "suspect"], ep.suspect_blocks)
         else:
             blocks.add_metric([*values, "held"], ep.held_blocks)
         yield blocks

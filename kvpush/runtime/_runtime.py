@@ -33,6 +33,7 @@ from kvpush.protocol import (
     KvpushError,
     Mode,
     PeerReady,
+    PeerState,
     Producer,
     Ready,
     Refused,
@@ -484,6 +485,24 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
         done = self.endpoint.preempt(self.now(), transfer_id)
         self.kick()
         return done
+
+    def keep(self, transfer_id: str, peer: str) -> bool:
+        """Ask producer ``peer`` to keep the ready KV of ``transfer_id``
+        (:meth:`Consumer.keep`). With no handshake yet, starts one and returns
+        False: the next call can be sent."""
+        now = self.now()
+        if self.endpoint.peer(peer).state is PeerState.DISCONNECTED:
+            self.endpoint.connect(now, peer)
+        sent = self.endpoint.keep(now, transfer_id, peer)
+        self.kick()
+        return sent
+
+    def peer_gone(self, peer: str) -> int:
+        """The caller knows producer ``peer``'s process is gone
+        (:meth:`Consumer.peer_gone`)."""
+        n = self.endpoint.peer_gone(self.now(), peer)
+        self.kick()
+        return n
 
     def abort(self, transfer_id: str) -> bool:
         done = self.endpoint.abort(self.now(), transfer_id)

@@ -23,6 +23,7 @@ from kvpush.protocol import (
     ProducerConfig,
     Ready,
     Released,
+    ReleaseOutcome,
     Reserved,
     Send,
     SourceReleased,
@@ -79,6 +80,10 @@ class Fleet:
         self.requests: list[Request] = []
         self.ended = 0
         self.stats: dict[str, int] = {}
+        #: Per delivered transfer: (KV ready -> source released, last write
+        #: done -> source released) in seconds; the second is the hold until
+        #: the decode's acknowledgment.
+        self.source_holds: list[tuple[float, float]] = []
         #: Integrity, checked by the simulator itself (not by the core).
         self.landed: dict[tuple[str, int], int] = {}
         self.owner: list[dict[int, tuple[str, int]]] = []
@@ -327,6 +332,11 @@ class Fleet:
         elif isinstance(out, SourceReleased):
             p.pool.give(out.blocks[0])
             p.kick()
+            tl = out.timeline
+            if out.outcome is ReleaseOutcome.DELIVERED and tl.write_done:
+                assert tl.kv_ready is not None and tl.released is not None
+                last = max(t for _, t in tl.write_done)
+                self.source_holds.append((tl.released - tl.kv_ready, tl.released - last))
 
     def _route_d(self, d: DecodeInstance, out: object) -> None:
         if isinstance(out, Send):

@@ -35,6 +35,10 @@ class Row:
     prefill_ms: float
     handoff_ms: float
     join_ms: float
+    #: Push: source KV held per delivered transfer (KV ready to released), and
+    #: the part of it after the last write, waiting for the decode's ack (ms).
+    source_held_ms: float | None
+    held_for_ack_ms: float | None
     preemptions: int
     stale_pairings: int
     corrupt_writes: int
@@ -64,6 +68,11 @@ def _pct(values: list[float], q: float) -> float:
 
 def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
+
+
+def _mean_ms(seconds: list[float]) -> float | None:
+    """The mean in ms, ``None`` without samples (JSON-safe, and equal to itself)."""
+    return round(statistics.fmean(seconds) * 1e3, 2) if seconds else None
 
 
 def simulate(
@@ -137,6 +146,8 @@ def _row(fleet: Fleet, faults: FaultInjector, mode: str, qps: float, n: int) -> 
         prefill_ms=round(_mean([(r.kv_ready - r.prefill_start) * 1e3 for r in done]), 2),
         handoff_ms=round(_mean([(r.ready - r.kv_ready) * 1e3 for r in done]), 2),
         join_ms=round(_mean([(r.first_token - r.ready) * 1e3 for r in done]), 2),
+        source_held_ms=_mean_ms([h for h, _ in fleet.source_holds]),
+        held_for_ack_ms=_mean_ms([a for _, a in fleet.source_holds]),
         preemptions=fleet.stats.get("preemptions", 0),
         stale_pairings=fleet.stats.get("stale_pairings", 0),
         corrupt_writes=fleet.stats.get("corrupt_writes", 0),

@@ -31,7 +31,11 @@ def _shallow(obj: T, **fields: Any) -> T:
 
 def _timeline(tl: Any) -> Any:
     return _shallow(
-        tl, write_done=dict(tl.write_done), ops=dict(tl.ops), notice_seen=dict(tl.notice_seen)
+        tl,
+        write_done=dict(tl.write_done),
+        ops=dict(tl.ops),
+        notice_seen=dict(tl.notice_seen),
+        renewed=list(tl.renewed),
     )
 
 
@@ -59,6 +63,7 @@ def _consumer(c: Consumer) -> Consumer:
         for k, r in c._res.items()
     }
     new._res = res
+    new._suspect = dict(c._suspect)
     new._live = {tid: res[(tid, r.epoch)] for tid, r in c._live.items()}
     return new  # type: ignore[no-any-return]
 
@@ -81,7 +86,10 @@ def _producer(p: Producer) -> Producer:
 def _checker(c: InvariantChecker) -> InvariantChecker:
     return _shallow(
         c,
-        res={k: _shallow(r, notices=set(r.notices)) for k, r in c.res.items()},
+        res={
+            k: _shallow(r, notices=set(r.notices), write_failed=set(r.write_failed))
+            for k, r in c.res.items()
+        },
         content={k: set(v) for k, v in c.content.items()},
         dst_owner=dict(c.dst_owner),
         src_held=dict(c.src_held),
@@ -105,7 +113,7 @@ def clone_world(w: World) -> World:
         consumer=_consumer(w.consumer),
         free_dst=list(w.free_dst),
         free_src=list(w.free_src),
-        ops=[Op(op.action, op.posted_at, op.landed) for op in w.ops],
+        ops=[Op(op.action, op.posted_at, op.landed, op.unbounded, op.orphan) for op in w.ops],
         notices=list(w.notices),
         live=dict(w.live),
         kv=dict(w.kv),
@@ -114,5 +122,6 @@ def clone_world(w: World) -> World:
         failure_reasons=dict(w.failure_reasons),
         source_outcomes=dict(w.source_outcomes),
         stall_losses=set(w.stall_losses),
+        hung=set(w.hung),
         checker=_checker(w.checker),
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvpush.protocol import (
     Abort,
     Completion,
+    Extend,
     Failed,
     Mode,
     Output,
@@ -54,6 +55,10 @@ class _Res:
     #: The producer promised nothing of this epoch can land (Settled/Rejected).
     promised: bool = False
     write_failed: set[tuple[object, int]] = field(default_factory=set)
+    #: The producer instance it was registered with (the consumer's view).
+    instance: int | None = None
+    #: Pull: a read of it moved bytes from source blocks no longer held.
+    tainted: bool = False
 
 
 @dataclass
@@ -81,6 +86,9 @@ class InvariantChecker:
     #: Pull reads the consumer started and was not yet told settled, with the
     #: time by which each is dead anyway (``not_after + op_bound``).
     reads: dict[Pair, float] = field(default_factory=dict)
+    #: The consumer's view of its producer: (instance, connected). The world
+    #: sets it before routing outputs.
+    link: tuple[int | None, bool] = (None, False)
 
     def fail(self, what: str) -> None:
         raise InvariantViolation(what)
@@ -116,7 +124,7 @@ class InvariantChecker:
             self.src_held[tid] = blocks
 
     def producer_received(self, now: float, message: object) -> None:
-        if isinstance(message, Register):
+        if isinstance(message, (Register, Extend)):
             key = (message.transfer_id, message.epoch)
             self.leases[key] = max(self.leases.get(key, 0.0), now + message.lease)
         elif isinstance(message, Withdraw):
@@ -153,6 +161,9 @@ class InvariantChecker:
             rec = self.res[(out.message.transfer_id, out.message.epoch)]
             rec.registered = True
             rec.pull = out.message.mode is Mode.PULL
+            rec.instance = self.link[0]
+        elif isinstance(out, Send) and isinstance(out.message, Extend):
+            self.renewed((out.message.transfer_id, out.message.epoch), now + out.message.lease)
         elif isinstance(out, Ready):
             self._ready(now, out)
         elif isinstance(out, Failed):
@@ -217,6 +228,8 @@ class InvariantChecker:
             self.fail(f"I2: second end for {key}")
         if rec.withdrawn or rec.failed:
             self.fail(f"I2: ready for withdrawn or failed epoch {key}")
+        if rec.tainted:
+            self.fail(f"I1: ready for {key}, read from source blocks no longer held")
         want = {(r.source, r.consumer_rank) for r in self.topology.routes}
         if rec.notices != want:
             self.fail(f"I2: ready for {key} with completions {rec.notices} != {want}")
@@ -241,8 +254,13 @@ class InvariantChecker:
         settled = {(r.source, r.consumer_rank) for r in self.topology.routes}
         early = now < rec.quarantine - 1e-9
         all_settled = settled <= rec.notices | rec.write_failed
-        if rec.registered and not rec.pull and early and not rec.promised and not all_settled:
+        unproven = rec.registered and not rec.pull and not rec.promised and not all_settled
+        if unproven and early:
             self.fail(f"I1: {key} released before its quarantine without a promise")
+        # No timing assumption while the producer is there: a producer that is
+        # connected but silent (stopped) may still land a write it posted.
+        if unproven and self.link == (rec.instance, True):
+            self.fail(f"I1: {key} released on a timer while its producer is connected")
         rec.ended = "released"
         for b in rec.blocks:
             del self.dst_owner[b]
@@ -261,32 +279,68 @@ class InvariantChecker:
             self.res[key].notices.add((op.route.source, op.route.consumer_rank))
             held = self.src_held.get(op.transfer_id)
             if held is None or not _flat(op.src_blocks) <= held:
-                self.fail(f"pull read of {key} from source blocks no longer held")
+                # The producer's lent quarantine is a timer: a read its stalled
+                # reader resumes late may read reused memory. Harmless only
+                # if the consumer never makes it Ready: it lands past the
+                # deadline, and the consumer steps the deadline first.
+                if now < self.res[key].deadline:
+                    self.fail(f"pull read of {key} from source blocks no longer held")
+                self.res[key].tainted = True
 
     # --- time and quiescence -----------------------------------------------------------
 
-    def check_time(self, now: float) -> None:
+    def check_time(self, now: float, excused: set[Key] | frozenset[Key] = frozenset()) -> None:
         """I5: by its deadline a reservation is ready or failed (or withdrawn);
-        by its quarantine it is released."""
+        by its quarantine it is released, unless ``excused`` (held as
+        suspect, or waiting for an op that may still land).
+
+        The deadline is the reservation's last one: a renewal moves it."""
         for key, rec in self.res.items():
             if rec.ended is not None:
                 continue
             if now > rec.deadline and not (rec.failed or rec.withdrawn):
                 self.fail(f"I5: {key} neither ready nor failed after its deadline")
-            if now > rec.quarantine:
+            if now > rec.quarantine and key not in excused:
                 self.fail(f"I5: {key} not released after its quarantine")
 
+    def requarantine(self, key: Key, now: float) -> None:
+        """A suspect ``key`` learnt at ``now`` that its producer is gone: what
+        it had queued may still be placed until a fresh quarantine."""
+        rec = self.res[key]
+        rec.quarantine = max(rec.quarantine, now + self.max_transit + self.op_bound)
+
+    def renewed(self, key: Key, deadline: float) -> None:
+        """The consumer moved the deadline of ``key`` (a renewal)."""
+        rec = self.res[key]
+        if deadline < rec.deadline:
+            self.fail(f"renewal moved the deadline of {key} back")
+        rec.quarantine += deadline - rec.deadline
+        rec.deadline = deadline
+
     def check_quiescent(
-        self, reserved_blocks: int, held_blocks: int, *, producer_alive: bool = True
+        self,
+        reserved_blocks: int,
+        held_blocks: int,
+        *,
+        producer_alive: bool = True,
+        hung: set[Key] | frozenset[Key] = frozenset(),
     ) -> None:
         """I3: once inputs stop and every timer fired, nothing is held (a dead
-        producer's own memory excepted)."""
-        for key, rec in self.res.items():
-            if rec.ended is None:
-                self.fail(f"I3: reservation {key} never released")
-        if self.src_held and producer_alive:
-            self.fail(f"I3: source blocks still held for {sorted(self.src_held)}")
-        if reserved_blocks or held_blocks:
+        producer's own memory excepted), but what the transfers of ``hung``
+        ops hold: no timer declares an op dead, so its initiator, and a
+        consumer whose blocks it may still land in, wait for it."""
+        stuck = {t for t, _ in hung}
+        kept = 0
+        for (tid, epoch), rec in self.res.items():
+            if rec.ended is None and tid in stuck:
+                kept += len(rec.blocks)
+            elif rec.ended is None:
+                self.fail(f"I3: reservation {(tid, epoch)} never released")
+        held = {t: b for t, b in self.src_held.items() if t not in stuck}
+        if held and producer_alive:
+            self.fail(f"I3: source blocks still held for {sorted(held)}")
+        kept_src = sum(len(b) for t, b in self.src_held.items() if t in stuck)
+        if reserved_blocks != kept or (producer_alive and held_blocks != kept_src):
             self.fail(f"I3: endpoints still count {reserved_blocks}/{held_blocks} blocks")
 
 

@@ -15,6 +15,7 @@ from kvpush.protocol import (
     Completion,
     Consumer,
     ConsumerConfig,
+    CState,
     Failed,
     FailureReason,
     Identity,
@@ -73,6 +74,14 @@ class Op:
     posted_at: float | None = None
     #: Landed but the initiator has not yet been told (writes only).
     landed: bool = False
+    #: Its initiator stalled while it was posted: over a software transport
+    #: it progresses only when the initiator runs, so it may land at any
+    #: later time, past every bound.
+    unbounded: bool = False
+    #: Posted by a producer process that died since: no stall of a later
+    #: process resumes it (it lands within its bound, or never; the bound of
+    #: one its stall had unbounded counts from the death, as ``posted_at``).
+    orphan: bool = False
 
 
 @dataclass
@@ -109,6 +118,10 @@ class World:
         self.source_outcomes: dict[str, ReleaseOutcome] = {}
         #: Transfers that lost a lease-bearing frame to the stall rule.
         self.stall_losses: set[str] = set()
+        #: (transfer, epoch) of ops that hung: never settled, nobody told.
+        self.hung: set[tuple[str, int]] = set()
+        #: Suspect reservations after the last pump (see :meth:`pump`).
+        self.suspect: frozenset[tuple[str, int]] = frozenset()
         self.events: list[Output] = []
         topology = compute_topology(
             cfg.producer_tp, cfg.producer_pp, cfg.consumer_tp, heads, mla=cfg.mla
@@ -210,6 +223,14 @@ class World:
         self.ops = [
             op for op in self.ops if op.posted_at is not None or isinstance(op.action, StartRead)
         ]
+        now = self.clock.now
+        for op in self.ops:
+            if isinstance(op.action, StartWrite):
+                # Its sockets close: what is left of a write stalled with its
+                # process lands within the bound from now, or never.
+                op.orphan = True
+                if op.unbounded:
+                    op.unbounded, op.posted_at = False, now
         if detected:
             self.consumer.peer_lost(self.clock.now, P)
             self.pump()
@@ -266,6 +287,10 @@ class World:
         if gap <= 0 or (who == P and not self.producer_alive):
             return False
         me = self.producer if who == P else self.consumer
+        mine = StartWrite if who == P else StartRead
+        for op in self.ops:
+            if op.posted_at is not None and isinstance(op.action, mine) and not op.orphan:
+                op.unbounded = True
         target = self.clock.now + gap
         for _ in range(100_000):
             other = self.consumer.next_deadline() if who == P else None
@@ -353,9 +378,12 @@ class World:
         self._report(op, ok=False)
 
     def hang(self, index: int) -> None:
-        """A posted op never completes and nobody is told."""
+        """A posted op never completes and nobody is told. Its initiator
+        waits for it for ever (no timer declares an op dead), and so does a
+        consumer holding the blocks it targets (``SUSPECT``)."""
         op = self.ops.pop(index)
         assert not op.landed
+        self.hung.add((op.action.transfer_id, op.action.epoch))
 
     def notify(self, index: int) -> None:
         """The consumer polls one completion notice."""
@@ -418,34 +446,47 @@ class World:
         self.clock.now = now
         self.net.expire(now, spare=frozen)
         bound = self.config.op_bound
-        # The transport bound: a posted op older than op_bound is dead.
-        self.ops = [
+        # The transport's own error timeout: a posted op older than op_bound
+        # is dead and its initiator is told (unless it stalled meanwhile).
+        dead = [
             op
             for op in self.ops
-            if op.landed or op.posted_at is None or now - op.posted_at <= bound
+            if not (op.landed or op.unbounded or op.posted_at is None)
+            and now - op.posted_at > bound
         ]
+        for op in dead:
+            self.ops.remove(op)
+            self._report(op, ok=False)
         if frozen != D:
             self.consumer.handle_timer(now)
         if self.producer_alive and frozen != P:
             self.producer.handle_timer(now)
         self.pump()
         if frozen != D:  # a stopped consumer cannot meet its deadlines (I5)
-            self.checker.check_time(now)
+            self.checker.check_time(now, self.excused())
 
-    def late_rejections(self) -> set[str]:
-        """Transfers that failed only because a re-registration (after a
-        preemption) reached the producer after it had delivered every write of
-        the earlier epoch and released the KV: the documented fail-fast case."""
-        return {
-            tid
-            for (tid, _), reason in self.failure_reasons.items()
-            if reason is FailureReason.REJECTED
-            and self.source_outcomes.get(tid) is ReleaseOutcome.DELIVERED
+    def excused(self) -> set[tuple[str, int]]:
+        """Reservations that may outlive their quarantine: suspect ones (a
+        write of a connected producer may still land), and those with an op
+        that may land later (its initiator stalled) or never settles."""
+        held = {(t, e) for t, e, st in self.consumer.reservations() if st is CState.SUSPECT}
+        late = {
+            (op.action.transfer_id, op.action.epoch)
+            for op in self.ops
+            # unbounded, or a read the adapter has not posted (nor reported) yet
+            if op.unbounded or (op.posted_at is None and isinstance(op.action, StartRead))
         }
+        return held | late | self.hung
 
     def quiesce(self, limit: int = 10_000) -> None:
         """Stop new inputs: deliver, post, land and acknowledge everything in
-        order, then let every timer fire. Checks I3 (nothing leaked)."""
+        order, then let every timer fire. Checks I3 (nothing leaked, but what
+        a hung op holds). A dead producer's loss is noticed in the end (its
+        connection closes)."""
+        if not self.producer_alive:
+            # Its connection closes, and (the world knows) it is gone.
+            self.consumer.peer_gone(self.clock.now, P)
+            self.pump()
         for _ in range(limit):
             if self.net.queue:
                 self.deliver(0)
@@ -457,7 +498,7 @@ class World:
                 self.land(next(i for i, op in enumerate(self.ops) if not op.landed))
             elif self.ops:
                 self.ack(0)
-            elif not self.advance_to_next():
+            elif self._probing_only() or not self.advance_to_next():
                 break
         else:
             raise AssertionError("the world did not quiesce")
@@ -465,6 +506,18 @@ class World:
             self.consumer.reserved_blocks,
             self.producer.held_blocks if self.producer_alive else 0,
             producer_alive=self.producer_alive,
+            hung=self.hung,
+        )
+
+    def _probing_only(self) -> bool:
+        """All that is left are suspect reservations waiting on a hung op, whose
+        probes go on for ever (nothing answers them): nothing will change."""
+        stuck = {t for t, _ in self.hung}
+        left = self.consumer.reservations()
+        return (
+            bool(left)
+            and all(st is CState.SUSPECT and t in stuck for t, _, st in left)
+            and (not self.producer_alive or self.producer.next_deadline() is None)
         )
 
     # --- output routing -----------------------------------------------------------
@@ -472,6 +525,13 @@ class World:
     def pump(self) -> None:
         """Route everything both endpoints emitted."""
         now = self.clock.now
+        view = self.consumer.peer(P)
+        instance = None if view.hello is None else view.hello.instance
+        self.checker.link = (instance, view.state is PeerState.READY)
+        states = {(t, e): st for t, e, st in self.consumer.reservations()}
+        for key in self.suspect:
+            if states.get(key) is CState.DRAINING:  # proof the producer is gone
+                self.checker.requarantine(key, now)
         moved = True
         while moved:
             moved = False
@@ -484,6 +544,9 @@ class World:
                     moved = True
                     self.checker.producer_output(now, out)
                     self._route(P, out)
+        self.suspect = frozenset(
+            (t, e) for t, e, st in self.consumer.reservations() if st is CState.SUSPECT
+        )
 
     def _route(self, me: str, out: Output) -> None:
         if isinstance(out, Send):

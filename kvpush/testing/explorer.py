@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kvpush.protocol import Hello, HelloReject
+from kvpush.protocol import Hello, HelloReject, StartWrite
 from kvpush.protocol._consumer import _Reservation
 from kvpush.protocol._producer import _Transfer
 
@@ -56,6 +56,8 @@ class _Node:
     rereserve: frozenset[str]  # preempted, waiting for their new epoch
     losses_left: int = 0  # handshake frames the network may still lose
     stalls_left: int = 0  # process stalls still to come
+    stops_left: int = 0  # unbounded producer stops still to come
+    stopped: bool = False  # a stop happened (liveness is not promised after one)
 
 
 def _clone(node: _Node) -> _Node:
@@ -67,6 +69,8 @@ def _clone(node: _Node) -> _Node:
         node.rereserve,
         node.losses_left,
         node.stalls_left,
+        node.stops_left,
+        node.stopped,
     )
 
 
@@ -94,9 +98,11 @@ _EXCLUDED: dict[type[Any], dict[str, str]] = {
         "topology": "derived: the handshake's topology, set when WAITING_PEER is left",
         "total": "derived: topology.expected_total",
         "retry_at": "derived: the RETRY timer's time, keyed in timers",
+        "op_bound": "derived: the producer's hello, fixed by the handshake",
     },
     _Transfer: {
         "timeline": "history: timestamps reported to the caller, read by no decision",
+        "renew_at": "derived: the LEASE timer's time, keyed in timers",
     },
 }
 
@@ -130,7 +136,7 @@ def _digest(node: _Node) -> bytes:
     state = (
         round(w.clock.now, 9),
         sorted(repr((m.src, m.dst, m.message)) for m in w.net.queue),
-        sorted(repr((op.action, op.landed)) for op in w.ops),
+        sorted(repr((op.action, op.landed, op.unbounded)) for op in w.ops),
         sorted(repr(n) for n in w.notices),
         sorted(map(_record_key, w.consumer._res.values())),
         sorted(map(_record_key, w.producer._tx.values())),
@@ -141,7 +147,10 @@ def _digest(node: _Node) -> bytes:
         node.dups_left,
         node.losses_left,
         node.stalls_left,
+        node.stops_left,
+        node.stopped,
         sorted(node.reserved),
+        sorted(w.consumer._suspect.items()),
         sorted(node.rereserve),
     )
     return hashlib.blake2b(repr(state).encode(), digest_size=16).digest()
@@ -173,6 +182,8 @@ def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
     if node.stalls_left:
         for who in ("prefill", "decode"):
             yield f"stall {who}", partial(_stall, who=who)
+    if node.stops_left and any(isinstance(op.action, StartWrite) for op in w.ops):
+        yield "stop prefill", _stop
     # A write lands at the latest moment the model allows: just before the first
     # of "its initiator is told" and "its notice is polled" (both imply it
     # landed). Landing later is never safer, so nothing is lost for I1.
@@ -228,6 +239,21 @@ def _stall(node: _Node, who: str) -> None:
     node.stalls_left -= 1
 
 
+def _stop(node: _Node) -> None:
+    """The prefill stops with its queued writes posted, past every timer of
+    the decode (its deadlines and quarantines), then resumes: its writes may
+    land at any later move, after every bound (a software transport such as
+    UCX over TCP progresses them only while the prefill runs)."""
+    w = node.world
+    for i in reversed(range(len(w.ops))):
+        if w.ops[i].posted_at is None and isinstance(w.ops[i].action, StartWrite):
+            w.post(i)
+    cfg = w.config
+    w.stall("prefill", 2 * (cfg.ready_timeout + cfg.max_transit) + cfg.op_bound)
+    node.stops_left -= 1
+    node.stopped = True
+
+
 def _land(node: _Node, index: int) -> None:
     w = node.world
     if w.ops[index].posted_at is None:
@@ -258,6 +284,7 @@ def explore(
     duplicates: int = 1,
     hello_losses: int = 0,
     stalls: int = 0,
+    stops: int = 0,
     limit: int = 5_000_000,
     progress: Callable[[int], None] | None = None,
     reduce: bool = True,
@@ -268,7 +295,10 @@ def explore(
     may lose that many ``Hello``/``HelloReject`` frames (the retry timer must
     recover). ``stalls``: that many times either process stalls and reads what
     waited for it late (the stall rule may drop its lease-bearing frames; such
-    transfers may fail, by their deadline)."""
+    transfers may fail, by their deadline). ``stops``: that many times the
+    prefill stops with writes posted until every timer of the decode passed,
+    and its writes land whenever it resumes (I1 must hold with no bound on
+    the stall; a transfer may fail)."""
     if config is None:
         config = WorldConfig(
             producer_tp=2,
@@ -284,7 +314,7 @@ def explore(
     world = World(config)
     world.events = _Discard()
     root = _Node(
-        world, preemptions, duplicates, frozenset(), frozenset(), hello_losses, stalls
+        world, preemptions, duplicates, frozenset(), frozenset(), hello_losses, stalls, stops
     )
     visited = {_digest(root)}
     stack: list[tuple[_Node, list[str]]] = [(root, [])]
@@ -369,8 +399,8 @@ def _check_end(node: _Node, names: tuple[str, ...], path: list[str]) -> None:
     w = node.world
     try:
         w.checker.check_quiescent(w.consumer.reserved_blocks, w.producer.held_blocks)
-        missing = set(names) - w.ready - w.late_rejections() - w.stall_losses
-        if missing:
+        missing = set(names) - w.ready - w.stall_losses
+        if missing and not node.stopped:
             raise AssertionError(f"I5: {sorted(missing)} never became ready; failed {w.failed}")
     except AssertionError as exc:
         raise type(exc)(f"{exc}\n  after: {' -> '.join(path)}") from None
@@ -400,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
         "--stalls", type=int, default=0, help="process stalls (frames read late after each)"
     )
     parser.add_argument(
+        "--stops",
+        type=int,
+        default=0,
+        help="unbounded prefill stops with writes posted (they land whenever it resumes)",
+    )
+    parser.add_argument(
         "--no-reduction", action="store_true", help="walk every order of independent moves too"
     )
     args = parser.parse_args(argv)
@@ -419,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         duplicates=args.duplicates,
         hello_losses=args.hello_losses,
         stalls=args.stalls,
+        stops=args.stops,
         reduce=not args.no_reduction,
         progress=lambda n: print(f"{n} states...", file=sys.stderr, flush=True),
     )

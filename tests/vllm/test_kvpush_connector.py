@@ -196,6 +196,61 @@ def test_a_decode_request_aborted_while_loading_keeps_its_blocks_until_released(
     assert free_after >= free_before + len(held)
 
 
+def test_a_decode_waiting_for_blocks_asks_the_prefill_to_keep_the_kv(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode has no free blocks for the request for 5 x the prefill's
+    ``kv_hold_timeout``: it asks the prefill to keep the KV (``keep``), so
+    once blocks free up the KV is pushed, not recomputed. Without the keep
+    the prefill releases it at its hold and the load fails."""
+    hold = {**FAST, "kv_hold_timeout": 0.4}
+    port = free_port()
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {**hold, "port": port})
+    decode = Engine(
+        make_scheduler,
+        make_worker_connector,
+        "kv_consumer",
+        hold,
+        num_blocks=5,  # 4 usable (block 0 is vLLM's null block)
+        kv_load_failure_policy="recompute",
+    )
+    fill(prefill, 3)
+    prompt = list(range(3, 43))  # 3 blocks
+    busy = list(range(100, 140))  # another prompt: no prefix cache hit for d5
+    decode.scheduler.add_request(make_request("busy", busy, 8))  # local, takes 3 blocks
+    decode.step(monkeypatch)
+    tid, peer = "kvp-keep", f"127.0.0.1:{port}"
+    p_params = TransferParams(tid, "prefill", Mode.PUSH, "decode").to_params()
+    d_params = TransferParams(tid, "decode", Mode.PUSH, peer).to_params()
+    decode.scheduler.add_request(make_request("d5", prompt, 2, d_params))
+    prefill.scheduler.add_request(make_request("p5", prompt, 1, p_params))
+    prefill.step(monkeypatch)
+    p_blocks = prefill.blocks("p5")
+    started = time.monotonic()
+    while time.monotonic() - started < 5 * hold["kv_hold_timeout"]:
+        prefill.step(monkeypatch)
+        decode.scheduler.schedule()  # d5 asks, and waits: no blocks
+        time.sleep(0.01)
+    assert decode.scheduler.requests["d5"].status == RequestStatus.WAITING
+    decode.scheduler.finish_requests("busy", RequestStatus.FINISHED_ABORTED)
+    scheduled: dict[str, int] = {}
+
+    def loaded() -> bool:
+        scheduled.update(decode.step(monkeypatch).num_scheduled_tokens)
+        prefill.step(monkeypatch)
+        return "d5" in decode.recved
+
+    run([], monkeypatch, loaded)
+    d_blocks = decode.blocks("d5")
+    for name in decode.kv:
+        assert torch.equal(decode.kv[name][d_blocks], prefill.kv[name][p_blocks]), name
+    run([prefill, decode], monkeypatch, lambda: "d5" in decode.finished and "p5" in prefill.sent)
+    assert scheduled.get("d5", 1) == 1  # decoding from the pushed KV, nothing recomputed
+
+
 def test_a_prefill_engine_keeps_stepping_while_a_push_is_pending(
     make_scheduler: Any,
     make_request: Any,
