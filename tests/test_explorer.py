@@ -11,7 +11,7 @@ import pytest
 from kvpush.protocol import Consumer, Topology
 from kvpush.protocol._consumer import _Reservation
 from kvpush.protocol._endpoint import Endpoint, Timer
-from kvpush.protocol._producer import _Transfer
+from kvpush.protocol._transfer import Transfer
 from kvpush.testing import InvariantViolation, World, WorldConfig
 from kvpush.testing.explorer import _EXCLUDED, _KEY_FIELDS, _record_key, explore
 
@@ -107,12 +107,12 @@ def test_every_interleaving_with_a_process_stall(monkeypatch: pytest.MonkeyPatch
 KEYED = {
     _Reservation: "transfer_id epoch peer mode blocks deadline skip_tokens state done settled "
     "quarantine_at failed instance after_reads attempt probes timers",
-    _Transfer: "transfer_id state peer max_epoch max_attempt src reg pending inflight writes owe "
+    Transfer: "transfer_id state peer max_epoch max_attempt src reg pending inflight writes owe "
     "ending delivered_epoch acked_epoch hold_until quarantine_at expires_at timers",
 }
 
 
-@pytest.mark.parametrize("cls", [_Reservation, _Transfer], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [_Reservation, Transfer], ids=lambda c: c.__name__)
 def test_state_key_places_every_record_field(cls: type[Any]) -> None:
     names = [f.name for f in dataclasses.fields(cls)]
     excluded = _EXCLUDED[cls]
@@ -133,7 +133,7 @@ def test_state_key_of_live_records_is_canonical() -> None:
     while world.net.queue:
         world.deliver(0)
     records: list[Any] = [*world.consumer._res.values(), *world.producer._tx.values()]
-    assert {type(r) for r in records} == {_Reservation, _Transfer}
+    assert {type(r) for r in records} == {_Reservation, Transfer}
     for rec in records:
         key = _record_key(rec)
         assert " at 0x" not in key

@@ -36,9 +36,9 @@ from kvpush.protocol import (
     Withdraw,
     WriteFailed,
 )
-from kvpush.protocol._producer import _Reg, _Transfer
 from kvpush.protocol._tables import PRODUCER, PInput
 from kvpush.protocol._timeline import TimelineBuilder
+from kvpush.protocol._transfer import Reg, Transfer
 
 P, D = "prefill", "decode"
 #: The consumer's op bound, learned at handshake.
@@ -650,9 +650,9 @@ REMOTE = (
 LOCAL = tuple(i for i in PInput if i not in REMOTE)
 
 
-def _record(state: PState) -> _Transfer:
-    rec = _Transfer("t1", TimelineBuilder("t1"), state=state, peer=D, src=SRC)
-    rec.reg = _Reg(1, D, DST, 30.0, Mode.PUSH)
+def _record(state: PState) -> Transfer:
+    rec = Transfer("t1", TimelineBuilder("t1"), state=state, peer=D, src=SRC)
+    rec.reg = Reg(1, D, DST, 30.0, Mode.PUSH)
     return rec
 
 

@@ -1,7 +1,8 @@
 """The prefill-side endpoint: the two-event rendezvous, epochs, held source KV.
 
 One :class:`Producer` serves one prefill instance (all its TP x PP ranks). Each
-transfer is one record moving through ``PRODUCER`` in ``_tables.py``; this module
+transfer is one record (``_transfer.Transfer``) moving through ``PRODUCER`` in
+``_tables.py``; this module
 performs the side effects of those transitions: those of the state entered
 (``_ENTER``, as the consumer's ``_enter``), and those of an abort in any state.
 """
@@ -9,10 +10,8 @@ performs the side effects of those transitions: those of the state entered
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from operator import attrgetter
 
 from ._config import ProducerConfig
@@ -36,6 +35,7 @@ from ._messages import (
 from ._outputs import ReleaseOutcome, Send, SourceReleased, StartWrite
 from ._tables import PRODUCER, PInput, PState
 from ._timeline import OpStamps, Timeline, TimelineBuilder
+from ._transfer import Pair, Reg, Transfer, Writes, seen
 from ._types import (
     BlockIds,
     FailureReason,
@@ -49,73 +49,7 @@ from ._types import (
 
 __all__ = ("Producer",)
 
-Pair = tuple[Source, int]
-
-
-class _Writes(enum.Enum):
-    """How the live epoch's writes go while any is in flight (push)."""
-
-    #: Every write that settled so far succeeded.
-    DELIVERING = "delivering"
-    #: A write failed: the epoch fails once the others settle.
-    FAILING = "failing"
-    #: The consumer moved on (withdrew the epoch, or registered a newer one):
-    #: once the writes settle the KV is held again, or the newer epoch written.
-    WITHDRAWN = "withdrawn"
-
-
-@dataclass(slots=True, frozen=True)
-class _Reg:
-    epoch: int
-    peer: str
-    blocks: BlockIds
-    #: Producer-clock time after which no write of this epoch may start.
-    lease_until: float
-    mode: Mode
-    skip_tokens: int = 0
-    attempt: int = 0
-
-
-#: ``max_attempt`` of an epoch the consumer ended (Withdraw, Abort) or
-#: released on a refusal: no attempt of it may be taken any more.
-_EVERY_ATTEMPT = 1 << 30
-
-
-@dataclass(slots=True, eq=False)
-class _Transfer:
-    transfer_id: str
-    timeline: TimelineBuilder
-    state: PState = PState.IDLE
-    peer: str | None = None
-    max_epoch: int = 0
-    #: The newest attempt of ``max_epoch`` seen: a registration is new only
-    #: above (max_epoch, max_attempt). An attempt above 0 follows a
-    #: ``Rejected(STALLED)``, which took nothing.
-    max_attempt: int = 0
-    src: BlockIds | None = None
-    reg: _Reg | None = None
-    pending: _Reg | None = None
-    inflight: set[Pair] = field(default_factory=set)
-    #: How the in-flight writes go (``DELIVERING`` when none is in flight).
-    writes: _Writes = _Writes.DELIVERING
-    #: Epochs owed a Settled once the in-flight writes settle.
-    owe: set[int] = field(default_factory=set)
-    #: Why we are draining (or lending after the transfer ended).
-    ending: ReleaseOutcome | None = None
-    #: The epoch whose writes were all delivered (kept by the tombstone).
-    delivered_epoch: int = -1
-    #: The newest epoch the consumer acknowledged (push: its completion
-    #: notices can reach it before our own transport reports the writes done).
-    acked_epoch: int = -1
-    hold_until: float = 0.0
-    #: WAIT_KV: when the next Renew goes out (``inf``: none before the lease ends).
-    renew_at: float = math.inf
-    quarantine_at: float = 0.0
-    expires_at: float = 0.0
-    timers: dict[Timer, float] = field(default_factory=dict)
-
-
-def _lease_timer(rec: _Transfer) -> float:
+def _lease_timer(rec: Transfer) -> float:
     """WAIT_KV's timer: the next renewal, or the end of the lease."""
     assert rec.reg is not None
     return min(rec.renew_at, rec.reg.lease_until)
@@ -123,7 +57,7 @@ def _lease_timer(rec: _Transfer) -> float:
 
 #: The timer each state keeps armed, and the time it fires at (everything else
 #: is cancelled on entry).
-_TIMERS: dict[PState, tuple[Timer, Callable[[_Transfer], float]]] = {
+_TIMERS: dict[PState, tuple[Timer, Callable[[Transfer], float]]] = {
     PState.IDLE: (Timer.EXPIRE, attrgetter("expires_at")),
     PState.WAIT_KV: (Timer.LEASE, _lease_timer),
     PState.HOLDING: (Timer.HOLD, attrgetter("hold_until")),
@@ -188,7 +122,7 @@ class Producer(Endpoint):
     def __init__(self, config: ProducerConfig) -> None:
         super().__init__(config.identity, config.timing)
         self.config = config
-        self._tx: dict[str, _Transfer] = {}
+        self._tx: dict[str, Transfer] = {}
         self._held_blocks = 0
 
     # --- queries ------------------------------------------------------------
@@ -296,7 +230,7 @@ class Producer(Endpoint):
                 rec = self._get(now, tid)
                 rec.peer = peer
             if rec.peer == peer:
-                _seen(rec, message.epoch)
+                seen(rec, message.epoch)
 
     def _on_message(self, now: float, peer: str, message: ControlMessage) -> None:
         if isinstance(message, Register):
@@ -317,7 +251,7 @@ class Producer(Endpoint):
         else:
             self._on_end_of_epoch(now, peer, message)
 
-    def _on_read_done(self, now: float, rec: _Transfer | None, message: ReadDone) -> None:
+    def _on_read_done(self, now: float, rec: Transfer | None, message: ReadDone) -> None:
         if rec is not None and rec.state is PState.WRITING and message.ok:
             # The ack overtook our transport's report of the writes.
             self._counters["acked_early"] += 1
@@ -339,7 +273,7 @@ class Producer(Endpoint):
             rec.ending = ReleaseOutcome.FAILED
         self._step(now, rec, PInput.READ_DONE, remote=True)
 
-    def _on_keep(self, now: float, rec: _Transfer | None) -> None:
+    def _on_keep(self, now: float, rec: Transfer | None) -> None:
         """A decode that cannot reserve yet asks to keep the ready KV."""
         if rec is None or rec.state is not PState.HOLDING:
             self._counters["keep_ignored"] += 1
@@ -354,7 +288,7 @@ class Producer(Endpoint):
         rec.hold_until = until
         self._step(now, rec, PInput.KEEP, remote=True)
 
-    def _on_extend(self, now: float, rec: _Transfer | None, message: Extend) -> None:
+    def _on_extend(self, now: float, rec: Transfer | None, message: Extend) -> None:
         """The consumer moved its deadline: the registration's lease grows."""
         reg = rec.reg if rec is not None and rec.state is PState.WAIT_KV else None
         if (
@@ -384,13 +318,13 @@ class Producer(Endpoint):
         whole = isinstance(message, Abort) and epoch >= rec.max_epoch
         if isinstance(message, Abort) and not whole:
             self._counters["abort_of_older_epoch"] += 1
-        _seen(rec, epoch)
+        seen(rec, epoch)
         if whole:
             self._on_peer_abort(now, rec, epoch)
         else:
             self._on_withdraw(now, peer, rec, epoch)
 
-    def _on_peer_abort(self, now: float, rec: _Transfer, epoch: int) -> None:
+    def _on_peer_abort(self, now: float, rec: Transfer, epoch: int) -> None:
         if rec.state is not PState.DRAINING or rec.ending is None:
             rec.ending = ReleaseOutcome.ABORTED
         rec.owe.add(epoch)
@@ -408,17 +342,17 @@ class Producer(Endpoint):
         if released:  # a tombstone has nothing in flight: acknowledge at once
             self._send_owed(rec)
 
-    def _on_withdraw(self, now: float, peer: str, rec: _Transfer, epoch: int) -> None:
+    def _on_withdraw(self, now: float, peer: str, rec: Transfer, epoch: int) -> None:
         reg, pending = rec.reg, rec.pending
         if pending is not None and pending.epoch == epoch:
             rec.pending = None
             self._out.append(Send(peer, Settled(rec.transfer_id, epoch)))
-        elif reg is not None and reg.epoch == epoch and rec.writes is not _Writes.WITHDRAWN:
+        elif reg is not None and reg.epoch == epoch and rec.writes is not Writes.WITHDRAWN:
             # Lent, with the transfer already over: the end of that epoch's
             # reads is all we waited for.
             over = rec.state is PState.LENT and rec.ending is not None
             if rec.state is PState.WRITING:  # answered once its writes settle
-                rec.writes = _Writes.WITHDRAWN
+                rec.writes = Writes.WITHDRAWN
             self._step(now, rec, PInput.READ_DONE if over else PInput.WITHDRAW, remote=True)
         elif self._in_flight(rec, epoch):
             self._counters["withdraw_duplicate"] += 1
@@ -453,7 +387,7 @@ class Producer(Endpoint):
         else:
             self._accept(now, rec, peer, msg)
 
-    def _known(self, rec: _Transfer, epoch: int) -> bool:
+    def _known(self, rec: Transfer, epoch: int) -> bool:
         """Whether ``epoch`` is the live or waiting epoch, or was delivered."""
         reg, pending = rec.reg, rec.pending
         return (
@@ -462,7 +396,7 @@ class Producer(Endpoint):
             or epoch == rec.delivered_epoch
         )
 
-    def _refusal(self, rec: _Transfer, msg: Register) -> RejectReason | None:
+    def _refusal(self, rec: Transfer, msg: Register) -> RejectReason | None:
         """Why a new registration is refused (counted), if it is."""
         if msg.mode not in self.identity.modes:
             self._counters["register_invalid"] += 1
@@ -499,11 +433,11 @@ class Producer(Endpoint):
         reject = Rejected(msg.transfer_id, msg.epoch, reason, msg.attempt)
         self._out.append(Send(peer, reject))
 
-    def _accept(self, now: float, rec: _Transfer, peer: str, msg: Register) -> None:
+    def _accept(self, now: float, rec: Transfer, peer: str, msg: Register) -> None:
         rec.peer = peer
         rec.max_epoch, rec.max_attempt = msg.epoch, msg.attempt
         rec.timeline.registration_received = now
-        reg = _Reg(
+        reg = Reg(
             msg.epoch, peer, msg.blocks, now + msg.lease, msg.mode, msg.skip_tokens, msg.attempt
         )
         if rec.state in (PState.WRITING, PState.LENT):  # it waits for the live epoch
@@ -511,7 +445,7 @@ class Producer(Endpoint):
                 self._reject(rec, rec.pending, RejectReason.SUPERSEDED)
             rec.pending = reg
             if rec.state is PState.WRITING:  # the consumer moved on from the live epoch
-                rec.writes = _Writes.WITHDRAWN
+                rec.writes = Writes.WITHDRAWN
         elif rec.state in (PState.HOLDING, PState.DELIVERED):
             rec.reg = reg
             rec.ending = None  # a newer epoch: how it ends is its own
@@ -560,7 +494,7 @@ class Producer(Endpoint):
         half = (until - now) / 2
         return now + half if half > 2 * self.config.timing.max_transit else math.inf
 
-    def _arm_for(self, rec: _Transfer) -> None:
+    def _arm_for(self, rec: Transfer) -> None:
         timer = _TIMERS.get(rec.state)
         if timer is None:
             rec.timers.clear()
@@ -573,23 +507,23 @@ class Producer(Endpoint):
 
     # --- transitions -------------------------------------------------------------
 
-    def _get(self, now: float, transfer_id: str) -> _Transfer:
+    def _get(self, now: float, transfer_id: str) -> Transfer:
         rec = self._tx.get(transfer_id)
         if rec is None:
-            rec = _Transfer(transfer_id, TimelineBuilder(transfer_id))
+            rec = Transfer(transfer_id, TimelineBuilder(transfer_id))
             rec.expires_at = now + self.config.tombstone_ttl
             self._tx[transfer_id] = rec
             self._arm(rec.timers, Timer.EXPIRE, rec.expires_at, transfer_id)
         return rec
 
-    def _in_flight(self, rec: _Transfer, epoch: int) -> bool:
+    def _in_flight(self, rec: Transfer, epoch: int) -> bool:
         return bool(rec.inflight) and rec.reg is not None and rec.reg.epoch == epoch
 
-    def _reject(self, rec: _Transfer, reg: _Reg, reason: RejectReason) -> None:
+    def _reject(self, rec: Transfer, reg: Reg, reason: RejectReason) -> None:
         reject = Rejected(rec.transfer_id, reg.epoch, reason, reg.attempt)
         self._out.append(Send(reg.peer, reject))
 
-    def _rendezvous(self, now: float, rec: _Transfer) -> None:
+    def _rendezvous(self, now: float, rec: Transfer) -> None:
         assert rec.reg is not None
         push = rec.reg.mode is Mode.PUSH
         self._step(now, rec, PInput.RENDEZVOUS_PUSH if push else PInput.RENDEZVOUS_PULL)
@@ -618,21 +552,21 @@ class Producer(Endpoint):
             self._step(now, rec, PInput.WRITE_SETTLED)
             return
         settled = self._settled(now, rec)
-        rec.writes = _Writes.DELIVERING  # none in flight
+        rec.writes = Writes.DELIVERING  # none in flight
         self._step(now, rec, settled)
 
-    def _failed_write(self, rec: _Transfer, epoch: int, pair: Pair, detail: str) -> None:
-        if rec.writes is _Writes.DELIVERING:
-            rec.writes = _Writes.FAILING
+    def _failed_write(self, rec: Transfer, epoch: int, pair: Pair, detail: str) -> None:
+        if rec.writes is Writes.DELIVERING:
+            rec.writes = Writes.FAILING
         if rec.ending is not ReleaseOutcome.PEER_LOST:
             assert rec.reg is not None
             failed = WriteFailed(rec.transfer_id, epoch, pair[0], pair[1], detail)
             self._out.append(Send(rec.reg.peer, failed))
 
-    def _settled(self, now: float, rec: _Transfer) -> PInput:
+    def _settled(self, now: float, rec: Transfer) -> PInput:
         """The input that the last in-flight write's settling feeds."""
-        if rec.state is PState.DRAINING or rec.writes is not _Writes.WITHDRAWN:
-            if rec.writes is _Writes.FAILING:
+        if rec.state is PState.DRAINING or rec.writes is not Writes.WITHDRAWN:
+            if rec.writes is Writes.FAILING:
                 return PInput.SETTLED_FAILED
             assert rec.reg is not None
             acked = rec.state is PState.WRITING and rec.acked_epoch >= rec.reg.epoch
@@ -647,7 +581,7 @@ class Producer(Endpoint):
         # A pull epoch is lent from HOLDING, never written.
         return PInput.SETTLED_NEXT if pending.mode is Mode.PUSH else PInput.SETTLED_IDLE
 
-    def _step(self, now: float, rec: _Transfer, inp: PInput, *, remote: bool = False) -> None:
+    def _step(self, now: float, rec: Transfer, inp: PInput, *, remote: bool = False) -> None:
         """Apply ``inp`` to ``rec`` through the table, then its side effects:
         those of the input (an abort), then those of the state entered."""
         old = rec.state
@@ -669,7 +603,7 @@ class Producer(Endpoint):
 
     # --- side effects, by the state entered -----------------------------------------
 
-    def _write(self, now: float, rec: _Transfer, inp: PInput) -> None:
+    def _write(self, now: float, rec: Transfer, inp: PInput) -> None:
         """WRITING: start the live epoch's writes (after the old one, if any)."""
         if inp is PInput.SETTLED_NEXT:
             assert rec.reg is not None
@@ -699,7 +633,7 @@ class Producer(Endpoint):
                 )
             )
 
-    def _delivered(self, now: float, rec: _Transfer, inp: PInput) -> None:
+    def _delivered(self, now: float, rec: Transfer, inp: PInput) -> None:
         """DELIVERED: every write landed; keep the KV until acknowledged."""
         assert rec.reg is not None
         rec.delivered_epoch = rec.reg.epoch
@@ -708,7 +642,7 @@ class Producer(Endpoint):
         rec.reg = None
         rec.hold_until = now + self.config.kv_hold_timeout
 
-    def _lend(self, now: float, rec: _Transfer, inp: PInput) -> None:
+    def _lend(self, now: float, rec: Transfer, inp: PInput) -> None:
         """LENT: announce the KV for the rest of the lease."""
         reg, src = rec.reg, rec.src
         assert reg is not None and src is not None
@@ -719,7 +653,7 @@ class Producer(Endpoint):
         lease = reg.lease_until - now
         self._out.append(Send(reg.peer, Announce(rec.transfer_id, reg.epoch, src, lease)))
 
-    def _hold(self, now: float, rec: _Transfer, inp: PInput) -> None:
+    def _hold(self, now: float, rec: Transfer, inp: PInput) -> None:
         """HOLDING: the live epoch (if any) is over; a waiting one starts now."""
         if inp is PInput.SETTLED_IDLE:
             assert rec.reg is not None
@@ -736,7 +670,7 @@ class Producer(Endpoint):
             rec.reg = pending
             self._rendezvous(now, rec)
 
-    def _unwait(self, now: float, rec: _Transfer, inp: PInput) -> None:
+    def _unwait(self, now: float, rec: Transfer, inp: PInput) -> None:
         """IDLE (from WAIT_KV): the waiting registration is over."""
         reg = rec.reg
         assert reg is not None
@@ -747,7 +681,7 @@ class Producer(Endpoint):
         rec.reg = None
         rec.expires_at = now + self.config.tombstone_ttl
 
-    def _release(self, now: float, rec: _Transfer, inp: PInput) -> None:
+    def _release(self, now: float, rec: Transfer, inp: PInput) -> None:
         """RELEASED: settle what is owed and give the source blocks back."""
         outcome = rec.ending or _OUTCOMES.get(inp, ReleaseOutcome.ABORTED)
         reg = rec.reg
@@ -767,13 +701,13 @@ class Producer(Endpoint):
                 SourceReleased(rec.transfer_id, rec.src, outcome, rec.timeline.freeze())
             )
 
-    def _forget(self, now: float, rec: _Transfer, inp: PInput) -> None:
+    def _forget(self, now: float, rec: Transfer, inp: PInput) -> None:
         """GONE: nothing held, no duplicate can still arrive."""
         del self._tx[rec.transfer_id]
 
     # --- side effects of the aborts, in any state ----------------------------------
 
-    def _aborted(self, rec: _Transfer, old: PState, inp: PInput) -> None:
+    def _aborted(self, rec: Transfer, old: PState, inp: PInput) -> None:
         if inp is PInput.ABORT:
             rec.ending = rec.ending or ReleaseOutcome.ABORTED
             self._send_abort(rec, old)
@@ -783,7 +717,7 @@ class Producer(Endpoint):
             self._reject(rec, rec.pending, RejectReason.RELEASED)
             rec.pending = None
 
-    def _send_abort(self, rec: _Transfer, old: PState) -> None:
+    def _send_abort(self, rec: Transfer, old: PState) -> None:
         """A local abort: tell the consumer of its live epoch (or of the newest
         epoch it named), unless it was told already or none is known. From
         DELIVERED nothing is sent: the consumer has its Ready, and an Abort
@@ -794,13 +728,13 @@ class Producer(Endpoint):
         self._out.append(Send(rec.peer, Abort(rec.transfer_id, epoch)))
         rec.owe.add(epoch)
 
-    def _settle_owed(self, rec: _Transfer, epoch: int) -> None:
+    def _settle_owed(self, rec: Transfer, epoch: int) -> None:
         """No write of ``epoch`` (nor of any owed epoch) can land any more:
         tell the consumer, who may be draining those blocks."""
         rec.owe.add(epoch)
         self._send_owed(rec)
 
-    def _send_owed(self, rec: _Transfer) -> None:
+    def _send_owed(self, rec: Transfer) -> None:
         if not rec.owe:
             return
         if rec.peer is not None and rec.ending is not ReleaseOutcome.PEER_LOST:
@@ -809,7 +743,7 @@ class Producer(Endpoint):
         rec.owe.clear()
 
 
-_Entry = Callable[[Producer, float, _Transfer, PInput], None]
+_Entry = Callable[[Producer, float, Transfer, PInput], None]
 
 #: Side effects of entering each state (``_REENTER``: also of some self-loops).
 _ENTER: dict[PState, _Entry] = {
@@ -821,10 +755,3 @@ _ENTER: dict[PState, _Entry] = {
     PState.RELEASED: Producer._release,
     PState.GONE: Producer._forget,
 }
-
-
-def _seen(rec: _Transfer, epoch: int) -> None:
-    """The consumer ended ``epoch`` (or was told to release it): no attempt of
-    it, nor of any older epoch, is taken from now on."""
-    if epoch >= rec.max_epoch:
-        rec.max_epoch, rec.max_attempt = epoch, _EVERY_ATTEMPT

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvpush.protocol import Hello, HelloReject, StartWrite
 from kvpush.protocol._consumer import _Reservation
-from kvpush.protocol._producer import _Transfer
+from kvpush.protocol._transfer import Transfer
 
 from ._clone import clone_world
 from ._world import World, WorldConfig
@@ -100,7 +100,7 @@ _EXCLUDED: dict[type[Any], dict[str, str]] = {
         "retry_at": "derived: the RETRY timer's time, keyed in timers",
         "op_bound": "derived: the producer's hello, fixed by the handshake",
     },
-    _Transfer: {
+    Transfer: {
         "timeline": "history: timestamps reported to the caller, read by no decision",
         "renew_at": "derived: the LEASE timer's time, keyed in timers",
     },
