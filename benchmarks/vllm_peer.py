@@ -63,6 +63,8 @@ import vllm_breakdown  # noqa: E402
 from cluster import free_port, wait_healthy  # noqa: E402
 from e2e_lib import MAX_MODEL_LEN, MODEL_NAME, Engine, engine, router  # noqa: E402
 
+from kvpush_vllm._contract import NIXL_PREFILL_LEG  # noqa: E402
+
 try:
     import psutil
 except ImportError:  # pragma: no cover - the e2e venv has it (vLLM needs it)
@@ -464,14 +466,7 @@ def send(mode: Mode, prompt: list[int], n_out: int) -> Result:
                 prompt,
                 1,
                 False,
-                kv_transfer_params={
-                    "do_remote_decode": True,
-                    "do_remote_prefill": False,
-                    "remote_engine_id": None,
-                    "remote_block_ids": None,
-                    "remote_host": None,
-                    "remote_port": None,
-                },
+                kv_transfer_params=dict(NIXL_PREFILL_LEG),
             )
             status, data = non_stream(mode.prefill.url, pbody)
             if status != 200 or not isinstance(data, dict):

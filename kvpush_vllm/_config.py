@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpush.protocol import ConfigError, Mode, Timing
 
+from ._params import parse_host_port
 from ._proven import FIELDS
 
 __all__ = ("ConnectorConfig",)
@@ -48,6 +49,13 @@ class ConnectorConfig:
     #: Decode: seconds an empty engine step waits for the KV it is loading
     #: before vLLM steps again (``_scheduler.SchedulerSide._idle_wait``); 0: never.
     idle_wait: float = 0.01
+    #: Decode: prefill addresses (``host:port``, or ``host`` for any port) whose
+    #: unsealed decode legs it acts on (docs/contract.md, "Trust").
+    allowed_peers: frozenset[str] = frozenset()
+    #: vllm-router's ZMQ service discovery (its MoRI-IO WRITE mode): the
+    #: router's ``host:port`` and this instance's HTTP ``host:port``. Opt-in:
+    #: MoRI-IO legs are read only when it is set.
+    router_discovery: tuple[str, str] | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -56,7 +64,8 @@ class ConnectorConfig:
         known = {
             "host", "port", "engine_id", "secret", "mode", "ready_timeout",
             "kv_hold_timeout", "max_transit", "op_bound", "backends", "backend_params",
-            "allow_unproven", "timeline_file", "idle_wait",
+            "allow_unproven", "timeline_file", "idle_wait", "allowed_peers",
+            "router_discovery",
         }  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -111,6 +120,27 @@ class ConnectorConfig:
             raise ConfigError(f"engine_id must be a str, got {engine_id!r}")
         if not engine_id:
             engine_id = f"{host}:{port}" if port else f"kvpush-{secrets.token_hex(6)}"
+        peers = raw.get("allowed_peers", [])
+        if isinstance(peers, str) or not isinstance(peers, (list, tuple)):
+            raise ConfigError(f"allowed_peers must be a list of host:port or host, got {peers!r}")
+        for peer in peers:
+            if not isinstance(peer, str) or not peer:
+                raise ConfigError(f"allowed_peers: {peer!r} is not a host:port or host")
+        discovery = raw.get("router_discovery")
+        if discovery is not None:
+            if not isinstance(discovery, Mapping) or set(discovery) != {"router", "http"}:
+                raise ConfigError(
+                    'router_discovery must be {"router": "host:port", "http": "host:port"}, '
+                    f"got {discovery!r}"
+                )
+            for key in ("router", "http"):
+                try:
+                    parse_host_port(discovery[key])
+                except (ConfigError, AttributeError):
+                    raise ConfigError(
+                        f"router_discovery.{key} must be host:port, got {discovery[key]!r}"
+                    ) from None
+            discovery = (discovery["router"], discovery["http"])
         return cls(
             host=host,
             port=port,
@@ -125,4 +155,6 @@ class ConnectorConfig:
             allow_unproven=frozenset(allow),
             timeline_file=timeline_file,
             idle_wait=float(idle_wait),
+            allowed_peers=frozenset(peers),
+            router_discovery=discovery,
         )

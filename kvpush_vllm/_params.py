@@ -18,9 +18,12 @@ instances, each with::
 engine name, by default its URL): informational, since the decode registers
 with the prefill, never the other way round. On the decode leg it is the
 prefill's kvpush control address, ``host:port`` (IPv6 as ``[addr]:port``),
-which the decode connects to. Every key is required and no other key is
-allowed in the ``"kvpush"`` object; other top-level keys of
-``kv_transfer_params`` (another connector's) are ignored by the parser.
+which the decode connects to. Every key is required; the one other key
+allowed is ``seal`` (a decode leg a prefill answered, see ``_contract.py``).
+Other top-level keys of ``kv_transfer_params`` (another connector's) are
+ignored by the parser. The other shapes kvpush reads (vLLM's NIXL, llm-d's
+push, MoRI-IO) are parsed in ``_contract.py`` into the same
+:class:`TransferParams`; docs/contract.md lists them all.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = (
     "ROLES",
     "LegRole",
     "ParamsError",
+    "Shape",
     "TransferParams",
     "new_transfer_id",
     "parse_host_port",
@@ -49,6 +53,8 @@ PARAMS_KEY = "kvpush"
 LegRole = Literal["prefill", "decode"]
 #: Every :data:`LegRole`.
 ROLES: tuple[LegRole, ...] = ("prefill", "decode")
+#: Which contract shape a leg came in (docs/contract.md).
+Shape = Literal["kvpush", "nixl", "llmd", "moriio"]
 
 _FIELDS = ("transfer_id", "role", "mode", "peer")
 _MAX_LEN = 256
@@ -88,6 +94,8 @@ class TransferParams:
     mode: Mode
     #: Prefill leg: the decode's name or URL. Decode leg: the prefill's ``host:port``.
     peer: str
+    #: The shape the leg came in: what the prefill answers depends on it.
+    shape: Shape = "kvpush"
 
     def __post_init__(self) -> None:
         tid = self.transfer_id
@@ -142,11 +150,11 @@ class TransferParams:
         if not isinstance(raw, Mapping):
             raise ParamsError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
         missing = [k for k in _FIELDS if k not in raw]
-        extra = sorted(str(k) for k in raw if k not in _FIELDS)
+        extra = sorted(str(k) for k in raw if k not in _FIELDS and k != "seal")
         if missing or extra:
             raise ParamsError(
                 f"kv_transfer_params[{PARAMS_KEY!r}]: missing {missing}, unknown {extra}; "
-                f"expected exactly {list(_FIELDS)}"
+                f"expected exactly {list(_FIELDS)} (and an optional seal)"
             )
         for key in _FIELDS:
             if not isinstance(raw[key], str):

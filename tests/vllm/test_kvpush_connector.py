@@ -28,6 +28,7 @@ with warnings.catch_warnings():
 
 from kvpush.protocol import Mode
 from kvpush_vllm import TransferParams
+from kvpush_vllm._contract import NIXL_PREFILL_LEG
 from kvpush_vllm.connector import KvpushConnector
 
 CONNECTOR, MODULE = "KvpushConnector", "kvpush_vllm.connector"
@@ -47,7 +48,11 @@ class Engine:
         self, make_scheduler: Any, make_worker: Any, role: str, extra: dict[str, Any], **kw: Any
     ) -> None:
         # Block size 16 (vec16 ISA) runs in no real engine here: acknowledged as unproven.
-        extra = {"allow_unproven": ["block_size", "cpu_attn_isa"], **extra}
+        extra = {
+            "allow_unproven": ["block_size", "cpu_attn_isa"],
+            "allowed_peers": ["127.0.0.1"],
+            **extra,
+        }
         self.scheduler, self.config, kv_cache_config = make_scheduler(
             role, CONNECTOR, MODULE, extra, **kw
         )
@@ -59,6 +64,8 @@ class Engine:
         assert meta is not None
         self.connector.set_xfer_handshake_metadata({0: meta})
         self.finished: list[str] = []
+        #: req id -> the kv_transfer_params its output carried (what a router copies).
+        self.answers: dict[str, Any] = {}
         self.sent: set[str] = set()
         self.recved: set[str] = set()
 
@@ -78,7 +85,10 @@ class Engine:
             kv_connector_output=kvo,
         )
         for outputs in self.scheduler.update_from_output(out, result).values():
-            self.finished += [o.request_id for o in outputs.outputs if o.finish_reason is not None]
+            for o in outputs.outputs:
+                if o.finish_reason is not None:
+                    self.finished.append(o.request_id)
+                    self.answers[o.request_id] = o.kv_transfer_params
         return out
 
     def blocks(self, req_id: str) -> list[int]:
@@ -269,8 +279,19 @@ def test_a_prefill_engine_keeps_stepping_while_a_push_is_pending(
 def test_stats_and_prometheus_hooks(make_scheduler: Any) -> None:
     stats = KvpushConnector.build_kv_connector_stats({"posted": 2, "bytes": 10})
     stats = stats.aggregate(KvpushConnector.build_kv_connector_stats({"posted": 1, "notices": 3}))
-    assert stats.reduce() == {"posted": 3, "failed": 0, "bytes": 10, "notices": 3}
+    assert stats.reduce() == {
+        "posted": 3, "failed": 0, "bytes": 10, "notices": 3, "refused_params": 0
+    }  # fmt: skip
     assert not stats.is_empty()
+    # A gauge keeps its latest value; phase durations gather.
+    gauges = KvpushConnector.build_kv_connector_stats({"g:reserved": 4, "h:load": [0.01]})
+    gauges = gauges.aggregate(
+        KvpushConnector.build_kv_connector_stats({"g:reserved": 1, "h:load": [0.03, 0.02]})
+    )
+    assert gauges.data == {"g:reserved": 1, "h:load": [0.01, 0.03, 0.02]}
+    assert gauges.reduce()["reserved_blocks"] == 1 and gauges.reduce()["load_p50_ms"] == 20.0
+    assert not KvpushConnector.build_kv_connector_stats({"g:held": 0}).is_empty()
+    assert KvpushConnector.build_kv_connector_stats({"posted": 0}).is_empty()
 
 
 def test_an_aborted_prefill_fails_the_decode_load_at_once(
@@ -356,3 +377,107 @@ def test_an_engine_outside_the_proven_envelope_is_refused_at_start_up(
     assert '"allow_unproven": ["block_size"]' in str(exc.value)
     sched, _, _ = make_scheduler("kv_consumer", CONNECTOR, MODULE, {}, block_size=32)
     assert isinstance(sched.get_kv_connector(), KvpushConnector)
+
+
+#: vllm-router 0.1.17's prefill leg in its default mode (``--kv-connector nixl``).
+NIXL_PREFILL = NIXL_PREFILL_LEG
+SECRET = "a-cluster-secret-of-32-bytes-abc"
+
+
+def test_vllm_router_default_mode_pull_with_a_sealed_answer_and_an_injection_refused(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The sequential flow behind vllm-router's default mode: the prefill gets
+    NIXL's prefill leg, mints the transfer id and answers a sealed pull leg in
+    its output's kv_transfer_params; the router copies it to the decode,
+    which loads it. A client's own decode leg (what the router forwards when
+    the prefill answers none) is refused: the decode computes it itself."""
+    port = free_port()
+    sealed = {"secret": SECRET, "allowed_peers": []}
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {"port": port, **sealed})
+    decode = Engine(make_scheduler, make_worker_connector, "kv_consumer", sealed)
+    fill(prefill, 3)
+    prompt = list(range(5, 45))
+    prefill.scheduler.add_request(make_request("cmpl-p1-0-abc", prompt, 1, NIXL_PREFILL))
+    run([prefill], monkeypatch, lambda: "cmpl-p1-0-abc" in prefill.finished)
+    answer = prefill.answers["cmpl-p1-0-abc"]
+    assert set(answer) == {"kvpush"} and answer["kvpush"]["mode"] == "pull"
+    assert answer["kvpush"]["peer"] == f"127.0.0.1:{port}" and answer["kvpush"]["seal"]
+    p_blocks = prefill.blocks("cmpl-p1-0-abc")  # held for the pull
+    decode.scheduler.add_request(make_request("cmpl-d1-0-def", prompt, 4, answer))
+    decode.step(monkeypatch)
+    assert decode.scheduler.requests["cmpl-d1-0-def"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    d_blocks = decode.blocks("cmpl-d1-0-def")
+    run([prefill, decode], monkeypatch, lambda: "cmpl-d1-0-def" in decode.recved)
+    for name in decode.kv:
+        assert torch.equal(decode.kv[name][d_blocks], prefill.kv[name][p_blocks]), name
+    run([prefill, decode], monkeypatch, lambda: "cmpl-p1-0-abc" in prefill.sent)
+    # The injection: the same leg pointed elsewhere (its seal no longer fits), and
+    # an unsealed one; both refused, computed locally, nothing reserved.
+    forged = {"kvpush": {**answer["kvpush"], "transfer_id": "kvp-stolen"}}
+    unsealed = TransferParams("kvp-x", "decode", Mode.PUSH, f"127.0.0.1:{port}").to_params()
+    for n, (req_id, params) in enumerate((("cmpl-i1-0-a", forged), ("cmpl-i2-0-b", unsealed))):
+        other = list(range(100 + 50 * n, 140 + 50 * n))  # no prefix hit
+        decode.scheduler.add_request(make_request(req_id, other, 2, params))
+        out = decode.step(monkeypatch)
+        assert out.num_scheduled_tokens.get(req_id) == len(other)  # at once: no remote KV
+    run([decode], monkeypatch, lambda: {"cmpl-i1-0-a", "cmpl-i2-0-b"} <= set(decode.finished))
+    refused = [r.getMessage() for r in caplog.records if "params refused" in r.getMessage()]
+    assert len(refused) == 2 and all("seal is missing or wrong" in m for m in refused), refused
+
+
+def test_stats_reach_vllm_s_prometheus_registry(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The block gauges and phase histograms go through vLLM's own path: the
+    scheduler merges the connector's scheduler-side stats into
+    SchedulerStats, and vLLM's Prometheus logger feeds build_prom_metrics."""
+    import prometheus_client
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    port = free_port()
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {"port": port})
+    decode = Engine(make_scheduler, make_worker_connector, "kv_consumer", {})
+    merged: list[dict[str, Any]] = []
+    for engine in (prefill, decode):
+        real = engine.scheduler.make_stats
+
+        def capture(*a: Any, _real: Any = real, **kw: Any) -> Any:
+            st = _real(*a, **kw)
+            if st is not None and st.kv_connector_stats:
+                merged.append(st.kv_connector_stats)
+            return st
+
+        monkeypatch.setattr(engine.scheduler, "make_stats", capture)
+    prompt = list(range(3, 43))
+    tid, peer = "kvp-stats-1", f"127.0.0.1:{port}"
+    decode.scheduler.add_request(
+        make_request("d1", prompt, 2, TransferParams(tid, "decode", Mode.PUSH, peer).to_params())
+    )
+    decode.step(monkeypatch)
+    assert {"g:reserved": 3, "g:suspect": 0} in merged, merged  # as the core counts them
+    prefill.scheduler.add_request(
+        make_request("p1", prompt, 1, TransferParams(tid, "prefill", Mode.PUSH, "d").to_params())
+    )
+    run([prefill, decode], monkeypatch, lambda: "d1" in decode.recved and "p1" in prefill.sent)
+    time.sleep(0.3)  # past the gauges' read period: the next steps report them at 0
+    run([prefill, decode], monkeypatch, lambda: "d1" in decode.finished, timeout=20)
+    for _ in range(3):
+        prefill.step(monkeypatch)
+        decode.step(monkeypatch)
+    logger = PrometheusStatLogger(decode.config, engine_indexes=[0])
+    for payload in merged:
+        logger.kv_connector_prom.observe(payload, 0)
+    text = prometheus_client.generate_latest().decode()
+    assert 'vllm:kvpush_blocks{engine="0"' in text and 'kind="reserved"' in text
+    assert "vllm:kvpush_phase_seconds_bucket" in text and 'phase="load"' in text
+    assert "vllm:kvpush_phase_seconds_count" in text
+    assert any("h:load" in p for p in merged), merged  # the decode's load, timed
+    assert any("h:source_held" in p for p in merged), merged  # the prefill's hold

@@ -1,0 +1,231 @@
+"""The handoff contract: every ``kv_transfer_params`` shape kvpush accepts,
+parsed in one place, and what a prefill answers (docs/contract.md).
+
+A leg's parameters become one :class:`~kvpush_vllm._params.TransferParams`
+(transfer id, role, mode, peer) whatever router sent them:
+
+* ``kvpush``: kvpush's own object (``kvpush router``, or a prefill's sealed
+  answer copied by a router), :mod:`kvpush_vllm._params`;
+* ``nixl``: vLLM's NixlConnector prefill leg (``do_remote_decode``, no
+  transfer id), as ``vllm-router`` sends it in its default mode. The prefill
+  mints the transfer id and answers a sealed ``kvpush`` decode leg (pull);
+* ``llmd``: llm-d's NIXL push (a prefill leg with a ``transfer_id``; a decode
+  leg with the prefill's identity and ``transfer_mode: "push"``). The prefill
+  answers its identity;
+* ``moriio``: MoRI-IO WRITE legs (``transfer_id`` and ``do_remote_*``), the
+  prefill's address in the request id. Only with ``router_discovery``
+  configured: a real MoRI-IO deployment is never misread.
+
+A decode leg names the prefill to connect to, and a client can put that name
+in a request (a router copies a client's parameters when the prefill answers
+none). So a decode acts on a peer only when the parameters carry a valid
+seal (an HMAC under the shared ``secret``) or the peer is in
+``allowed_peers``; otherwise it refuses the parameters and computes the
+request itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.protocol import Mode
+
+from ._params import PARAMS_KEY, LegRole, ParamsError, TransferParams, parse_host_port
+
+__all__ = ("NIXL_PREFILL_LEG", "Contract", "host_port", "peer_of_request_id")
+
+#: The prefill leg of vLLM's NixlConnector, as vllm-router's default mode and
+#: llm-d's sidecar send it (llm-d adds a ``transfer_id``).
+NIXL_PREFILL_LEG: dict[str, bool | None] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+#: NIXL-shaped keys (vLLM's NixlConnector, llm-d, MoRI-IO) this module reads.
+_NIXL_FLAGS = ("do_remote_decode", "do_remote_prefill")
+#: What vllm-router writes into the request id: the legs' addresses.
+_REQUEST_ID = re.compile(r"___prefill_addr_(.+?)___decode_addr_(.+?)_([0-9a-f]{32})")
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host bracketed."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def peer_of_request_id(request_id: str) -> str:
+    """The prefill address ``vllm-router`` put in ``request_id``
+    (``___prefill_addr_<P>___decode_addr_<D>_<32 hex>``), as ``host:port``."""
+    m = _REQUEST_ID.search(request_id)
+    if m is None:
+        raise ParamsError(
+            f"request id {request_id!r} names no prefill (expected vllm-router's "
+            "___prefill_addr_<host:port>___decode_addr_<host:port>_<32 hex>)"
+        )
+    addr = m.group(1).removeprefix("tcp://").removeprefix("http://")
+    host, port = parse_host_port(addr)
+    return host_port(host, port)
+
+
+def _flag(raw: Mapping[str, Any], key: str) -> bool:
+    value = raw.get(key)
+    if value is None or value is False:
+        return False
+    if value is True:
+        return True
+    raise ParamsError(f"{key} must be true, false or null, got {value!r}")
+
+
+def _str(raw: Mapping[str, Any], key: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str) or not value:
+        raise ParamsError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Contract:
+    """How one instance reads legs and answers them (from its connector config)."""
+
+    #: Seals the decode legs this instance answers and verifies the ones it gets.
+    secret: bytes | None = None
+    #: Prefill addresses (``host:port``, or ``host`` for any port) a decode
+    #: trusts without a seal.
+    allowed_peers: frozenset[str] = frozenset()
+    #: MoRI-IO WRITE legs are accepted (``router_discovery`` is configured).
+    moriio: bool = False
+
+    # --- parsing ---------------------------------------------------------------
+
+    def parse(self, params: object, request_id: str, serves: LegRole) -> TransferParams | None:
+        """The leg in ``params`` for an instance that serves ``serves`` legs.
+
+        ``None``: a plain request (no shape kvpush knows). Raises
+        :class:`ParamsError` for a malformed, ambiguous or contradictory leg,
+        a leg of the other role, and (decode) an untrusted peer."""
+        if params is None:
+            return None
+        if not isinstance(params, Mapping):
+            raise ParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+        remote_decode, remote_prefill = (_flag(params, k) for k in _NIXL_FLAGS)
+        if remote_decode and remote_prefill:
+            raise ParamsError("do_remote_decode and do_remote_prefill are both true")
+        if PARAMS_KEY in params:
+            if remote_decode or remote_prefill:
+                raise ParamsError(
+                    f"ambiguous: both a {PARAMS_KEY!r} object and NIXL's do_remote_* flags"
+                )
+            leg = TransferParams.from_params(params)
+        elif remote_decode:
+            leg = self._nixl_prefill(params, request_id)
+        elif remote_prefill:
+            leg = self._nixl_decode(params, request_id)
+        else:
+            return None
+        assert leg is not None
+        if leg.role != serves:
+            raise ParamsError(f"a {leg.role} leg reached an instance that serves {serves} legs")
+        if serves == "decode":
+            self._check_trusted(leg, params)
+        return leg
+
+    def _nixl_prefill(self, raw: Mapping[str, Any], request_id: str) -> TransferParams:
+        tid = raw.get("transfer_id")
+        if tid is None:  # vllm-router's default mode: the prefill names the transfer
+            digest = hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
+            return TransferParams(f"kvp-{digest}", "prefill", Mode.PULL, "-", shape="nixl")
+        if not isinstance(tid, str):
+            raise ParamsError(f"transfer_id must be a string, got {tid!r}")
+        return TransferParams(tid, "prefill", Mode.PUSH, "-", shape="llmd")
+
+    def _nixl_decode(self, raw: Mapping[str, Any], request_id: str) -> TransferParams:
+        tid = _str(raw, "transfer_id") if "transfer_id" in raw else None
+        mode = raw.get("transfer_mode")
+        if mode is not None and mode != "push":
+            raise ParamsError(f"transfer_mode must be 'push', got {mode!r}")
+        if mode == "push":
+            if tid is None:
+                raise ParamsError("an llm-d push decode leg needs its transfer_id")
+            host, port = _str(raw, "remote_host"), raw.get("remote_port")
+            if type(port) is not int and not (isinstance(port, float) and port.is_integer()):
+                raise ParamsError(f"remote_port must be an integer, got {port!r}")
+            peer = host_port(*parse_host_port(host_port(host, int(port))))
+            return TransferParams(tid, "decode", Mode.PUSH, peer, shape="llmd")
+        if tid is not None and raw.get("remote_host") is None:
+            if not self.moriio:
+                raise ParamsError(
+                    "MoRI-IO WRITE decode leg (transfer_id, no remote_host): kvpush reads "
+                    "it only with router_discovery configured"
+                )
+            peer = peer_of_request_id(request_id)
+            return TransferParams(tid, "decode", Mode.PUSH, peer, shape="moriio")
+        raise ParamsError(
+            "a NixlConnector decode leg (remote_block_ids from a NixlConnector prefill): "
+            "kvpush cannot load it; the prefill must run KvpushConnector"
+        )
+
+    def _check_trusted(self, leg: TransferParams, raw: Mapping[str, Any]) -> None:
+        if self.allows(leg.peer):
+            return
+        if leg.shape == "kvpush" and self.secret is not None:
+            seal = raw[PARAMS_KEY].get("seal")
+            if isinstance(seal, str) and hmac.compare_digest(seal, self.seal(leg)):
+                return
+            why = "its seal is missing or wrong"
+        elif leg.shape == "kvpush":
+            why = "no secret is configured to verify a seal"
+        else:
+            why = f"a {leg.shape} leg carries no seal"
+        raise ParamsError(
+            f"refused: the decode leg names prefill {leg.peer!r}, which is not in "
+            f"allowed_peers, and {why}"
+        )
+
+    def allows(self, peer: str) -> bool:
+        """``peer`` (``host:port``) is in ``allowed_peers``, by address or host."""
+        host = parse_host_port(peer)[0]
+        return peer in self.allowed_peers or host in self.allowed_peers
+
+    # --- answering -------------------------------------------------------------
+
+    def seal(self, leg: TransferParams) -> str:
+        """The HMAC of a decode leg's transfer id, mode and peer."""
+        if self.secret is None:
+            raise ParamsError("sealing needs a secret")
+        text = "\0".join(("kvpush-seal-v1", leg.transfer_id, leg.mode.value, leg.peer))
+        return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
+
+    def answer(
+        self, leg: TransferParams, request_id: str, control: str, engine: str, tp: int
+    ) -> dict[str, Any] | None:
+        """What a prefill returns from ``request_finished`` for ``leg``: the
+        decode's leg, in the shape its router copies (``control``: this
+        instance's control address; ``engine``: its engine id and instance)."""
+        if leg.shape == "kvpush":
+            return None  # the kvpush router sent the decode its leg already
+        if leg.shape == "nixl":
+            decode = TransferParams(leg.transfer_id, "decode", leg.mode, control)
+            out = decode.to_params()
+            if self.secret is not None:
+                out[PARAMS_KEY]["seal"] = self.seal(decode)
+            return out
+        host, port = parse_host_port(control)
+        return {  # llm-d's NIXL push identity (and the per-request fields)
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": engine,
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": tp,
+            "transfer_mode": "push",
+            "transfer_id": leg.transfer_id,
+            "remote_request_id": request_id,
+        }
