@@ -4,6 +4,8 @@ For each (ISA, dtype, block size, head size) it writes random K and V for every 
 two blocks with ``cpu_attn_reshape_and_cache`` and counts the tokens whose K or V are
 not where kvpush_vllm/_tensors.py says the ``vec`` ISAs keep them (K channel-major:
 value ``c`` of token ``t`` at ``c * block_size + t``; V token-major, after the K half).
+A configuration the kernel refuses on this CPU (AMX without AMX tiles) is a row with
+``refused``: the message.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ def main() -> None:
                 kv = torch.zeros(nb, heads, bs, 2 * hs, dtype=dtype)
                 kc, vc = kv.view(nb, heads, 2 * bs, hs).chunk(2, dim=2)
                 slots = torch.arange(n, dtype=torch.int64) + bs  # blocks 1 and 2
-                ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slots, isa)
+                row = {"isa": isa, "dtype": str(dtype), "block_size": bs, "head_size": hs}
+                try:
+                    ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slots, isa)
+                except RuntimeError as e:  # e.g. AMX on a CPU without AMX tiles
+                    out.append({**row, "refused": str(e)})
+                    continue
                 tiles = kv.view(nb, heads, -1)
                 bad_k = bad_v = 0
                 for t in range(n):
@@ -41,8 +48,7 @@ def main() -> None:
                         v = tiles[b, h, bs * hs + o * hs : bs * hs + (o + 1) * hs]
                         bad_k += not torch.equal(k, key[t, h])
                         bad_v += not torch.equal(v, val[t, h])
-                out.append({"isa": isa, "dtype": str(dtype), "block_size": bs, "head_size": hs,
-                            "rows": n * heads, "bad_k": bad_k, "bad_v": bad_v})  # fmt: skip
+                out.append({**row, "rows": n * heads, "bad_k": bad_k, "bad_v": bad_v})
     json.dump(out, sys.stdout)
 
 
