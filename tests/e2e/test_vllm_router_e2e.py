@@ -89,11 +89,28 @@ def vr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "router_discovery": {"router": f"127.0.0.1:{zmq_port}", "http": f"127.0.0.1:{http}"},
         }
 
-    p = engine("p", model, logs, bind="0", block_size=32, role="prefill", port=p_port,
-               extra=config(p_port), args=["--max-model-len", str(P_MAX_LEN)])
-    d = engine("d", model, logs, bind="1", block_size=32, role="decode", port=d_port,
-               extra={**config(d_port), "allowed_peers": [f"127.0.0.1:{p.ctrl}"]},
-               kv={"kv_load_failure_policy": "recompute"})
+    p = engine(
+        "p",
+        model,
+        logs,
+        bind="0",
+        block_size=32,
+        role="prefill",
+        port=p_port,
+        extra=config(p_port),
+        args=["--max-model-len", str(P_MAX_LEN)],
+    )
+    d = engine(
+        "d",
+        model,
+        logs,
+        bind="1",
+        block_size=32,
+        role="decode",
+        port=d_port,
+        extra={**config(d_port), "allowed_peers": [f"127.0.0.1:{p.ctrl}"]},
+        kv={"kv_load_failure_policy": "recompute"},
+    )
     routers = [
         vllm_router("vr-nixl", logs, ["--kv-connector", "nixl", "--prefill", p.url,
                                       "--decode", d.url, "--worker-startup-check-interval", "1"]),
