@@ -427,8 +427,9 @@ class NixlTransport:
 
 
 def _notice(notice: object) -> bytes:
-    """A WRITE's notice as bytes; ``None`` (a READ) is no notice."""
-    if notice is None:
+    """A WRITE's notice as bytes; ``None`` (a READ) or ``b""`` (an increment
+    of a progressive source) is no notice."""
+    if notice is None or notice == b"":
         return b""
     if not isinstance(notice, (bytes, bytearray)) or not 1 <= len(notice) <= MAX_NOTICE_BYTES:
         raise TransportError(

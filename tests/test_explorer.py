@@ -107,7 +107,8 @@ def test_every_interleaving_with_a_process_stall(monkeypatch: pytest.MonkeyPatch
 KEYED = {
     _Reservation: "transfer_id epoch peer mode blocks deadline skip_tokens state done settled "
     "quarantine_at failed instance after_reads attempt probes timers",
-    Transfer: "transfer_id state peer max_epoch max_attempt src reg pending inflight writes owe "
+    Transfer: "transfer_id state peer max_epoch max_attempt src partial reg pending inflight sent "
+    "committed writes owe "
     "ending delivered_epoch acked_epoch hold_until quarantine_at expires_at timers",
 }
 

@@ -48,7 +48,12 @@ class StartWrite:
     """Producer: write ``src_blocks`` of ``route.source`` into ``dst_blocks`` of
     ``route.consumer_rank`` on ``peer``, with ``notice`` as the transfer's
     notification. Must not be posted after ``not_after`` (report it failed
-    instead); report the outcome with ``write_done`` / ``write_failed``."""
+    instead); report the outcome with ``write_done`` / ``write_failed``.
+
+    One *increment* of a progressive source: ``src_blocks`` is the source so
+    far, of which the first ``first[g]`` blocks of group ``g`` were written by
+    this epoch's earlier increments (empty: none); only the rest is written.
+    ``notice`` is ``None`` for every increment but the last (the commit)."""
 
     transfer_id: str
     epoch: int
@@ -57,9 +62,11 @@ class StartWrite:
     src_blocks: BlockIds
     dst_blocks: BlockIds
     not_after: float
-    notice: Completion
+    notice: Completion | None
     #: Tokens the consumer already holds; ``dst_blocks`` start there.
     skip_tokens: int = 0
+    #: Source blocks per KV group written by earlier increments of the epoch.
+    first: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

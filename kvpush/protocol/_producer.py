@@ -55,11 +55,20 @@ def _lease_timer(rec: Transfer) -> float:
     return min(rec.renew_at, rec.reg.lease_until)
 
 
+def _renew_timer(rec: Transfer) -> float:
+    """WRITING's timer: the next renewal while the source is partial. The
+    lease ends no in-flight write; one posted after it fails (``not_after``)."""
+    return rec.renew_at if rec.partial else math.inf
+
+
 #: The timer each state keeps armed, and the time it fires at (everything else
 #: is cancelled on entry).
 _TIMERS: dict[PState, tuple[Timer, Callable[[Transfer], float]]] = {
     PState.IDLE: (Timer.EXPIRE, attrgetter("expires_at")),
     PState.WAIT_KV: (Timer.LEASE, _lease_timer),
+    PState.WRITING: (Timer.LEASE, _renew_timer),
+    PState.STREAMING: (Timer.LEASE, _lease_timer),
+    PState.WAIT_REST: (Timer.LEASE, _lease_timer),
     PState.HOLDING: (Timer.HOLD, attrgetter("hold_until")),
     PState.DELIVERED: (Timer.HOLD, attrgetter("hold_until")),
     PState.LENT: (Timer.QUARANTINE, attrgetter("quarantine_at")),
@@ -76,12 +85,20 @@ _FIRES: dict[Timer, PInput] = {
 
 #: Self-loops that run their state's entry effects again: the next epoch's
 #: writes start; KV that is ready after the release is released at once.
-_REENTER = frozenset((PInput.SETTLED_NEXT, PInput.KV_READY))
+_REENTER = frozenset((PInput.SETTLED_NEXT, PInput.KV_READY, PInput.KV_MORE, PInput.WRITE_NEXT))
 
 #: Self-loops that move their state's deadline (a newer epoch's lease or
-#: writes, a renewal, an extended lease or hold).
+#: writes, a renewal, an extended lease or hold, a whole source).
 _REARM = frozenset(
-    (PInput.SETTLED_NEXT, PInput.REGISTER, PInput.RENEW, PInput.EXTEND, PInput.KEEP)
+    (
+        PInput.SETTLED_NEXT,
+        PInput.REGISTER,
+        PInput.RENEW,
+        PInput.EXTEND,
+        PInput.KEEP,
+        PInput.KV_READY,  # a partial source's last increment: its hold starts
+        PInput.KV_MORE,  # a partial source: no hold, and no tombstone expires
+    )
 )
 
 #: Inputs that end the transfer, whatever its state.
@@ -97,6 +114,11 @@ _OUTCOMES: dict[PInput, ReleaseOutcome] = {
     PInput.QUARANTINE: ReleaseOutcome.EXPIRED,
     PInput.HOLD_EXPIRED: ReleaseOutcome.EXPIRED,
 }
+
+
+#: The states in which a live registration's lease decides whether writes
+#: may still start (so it is renewed and extended).
+_LEASED = frozenset((PState.WAIT_KV, PState.STREAMING, PState.WAIT_REST))
 
 
 def _inside(blocks: BlockIds, layout: KVLayout | None) -> bool:
@@ -143,27 +165,62 @@ class Producer(Endpoint):
 
     # --- local inputs -------------------------------------------------------------
 
-    def kv_ready(self, now: float, transfer_id: str, blocks: Sequence[Sequence[int]]) -> None:
+    def kv_ready(
+        self,
+        now: float,
+        transfer_id: str,
+        blocks: Sequence[Sequence[int]],
+        *,
+        final: bool = True,
+    ) -> None:
         """The KV of ``transfer_id`` is computed in ``blocks`` (ids per KV group);
-        hold them until a registration takes them or the hold expires."""
+        hold them until a registration takes them or the hold expires.
+
+        ``final=False``: an *increment* (progressive push). ``blocks`` are the
+        whole blocks computed so far, the prefill computes more; each call
+        repeats the blocks of the one before and may add more. A push epoch
+        writes each increment as it comes; its completion notices go with the
+        last (``final=True``), so the consumer is told Ready only then. A pull
+        epoch is lent only the whole source. Until the last increment no hold
+        timer runs and no ``SourceReleased`` is emitted (the computing
+        request owns its blocks); :meth:`abort` ends the source where it is."""
         ids = check_blocks(blocks, self.identity.kv_groups)
         rec = self._get(now, transfer_id)
-        if rec.src is not None:
-            if rec.src != ids:
-                raise LocalProtocolError(f"kv_ready for {transfer_id!r} with other blocks")
-            self._counters["kv_ready_duplicate"] += 1
+        if not self._grow_source(rec, ids, final):
             return
-        rec.src = ids
-        rec.timeline.kv_ready = now
-        self._held_blocks += sum(map(len, ids))
-        if rec.state is PState.WAIT_KV:
-            assert rec.reg is not None
-            if now > rec.reg.lease_until:
+        if final:
+            rec.timeline.kv_ready = now
+        inp = PInput.KV_READY if final else PInput.KV_MORE
+        reg = rec.reg
+        if rec.state in _LEASED:
+            assert reg is not None
+            if now > reg.lease_until:
                 self._step(now, rec, PInput.LEASE_EXPIRED)
-            else:
-                self._rendezvous(now, rec)
+            elif rec.state is not PState.STREAMING and (reg.mode is Mode.PUSH or final):
+                self._rendezvous(now, rec)  # the second of the two events
                 return
-        self._step(now, rec, PInput.KV_READY)
+        self._step(now, rec, inp)
+
+    def _grow_source(self, rec: Transfer, ids: BlockIds, final: bool) -> bool:
+        """Take ``ids`` as the source (or its next increment); False: a duplicate."""
+        old, tid = rec.src, rec.transfer_id
+        if old is not None and not rec.partial:
+            if old != ids or not final:
+                what = "other blocks" if old != ids else "an increment after the last"
+                raise LocalProtocolError(f"kv_ready for {tid!r} with {what}")
+            self._counters["kv_ready_duplicate"] += 1
+            return False
+        if old is not None:
+            if any(len(n) < len(o) or n[: len(o)] != o for o, n in zip(old, ids, strict=True)):
+                raise LocalProtocolError(
+                    f"kv_ready for {tid!r}: an increment must extend the blocks before it"
+                )
+            if old == ids and not final:
+                self._counters["kv_increment_duplicate"] += 1
+                return False
+        self._held_blocks += sum(map(len, ids)) - (0 if old is None else sum(map(len, old)))
+        rec.src, rec.partial = ids, not final
+        return True
 
     def abort(self, now: float, transfer_id: str) -> bool:
         """Abort ``transfer_id`` (the prefill request is gone). The source blocks
@@ -172,7 +229,11 @@ class Producer(Endpoint):
         Returns whether the transfer was known."""
         known = transfer_id in self._tx
         rec = self._get(now, transfer_id)
-        self._step(now, rec, PInput.ABORT)
+        partial, rec.partial = rec.partial, False  # the source ends where it is
+        if partial and rec.state is PState.RELEASED:
+            self._step(now, rec, PInput.KV_READY)  # released already: give it back now
+        else:
+            self._step(now, rec, PInput.ABORT)
         return known
 
     def write_done(
@@ -290,7 +351,10 @@ class Producer(Endpoint):
 
     def _on_extend(self, now: float, rec: Transfer | None, message: Extend) -> None:
         """The consumer moved its deadline: the registration's lease grows."""
-        reg = rec.reg if rec is not None and rec.state is PState.WAIT_KV else None
+        waits = rec is not None and (
+            rec.state in _LEASED or (rec.partial and rec.state is PState.WRITING)
+        )
+        reg = rec.reg if rec is not None and waits else None
         if (
             rec is None
             or reg is None
@@ -353,6 +417,8 @@ class Producer(Endpoint):
             over = rec.state is PState.LENT and rec.ending is not None
             if rec.state is PState.WRITING:  # answered once its writes settle
                 rec.writes = Writes.WITHDRAWN
+            elif rec.state in (PState.STREAMING, PState.WAIT_REST):  # nothing in flight
+                rec.owe.add(epoch)
             self._step(now, rec, PInput.READ_DONE if over else PInput.WITHDRAW, remote=True)
         elif self._in_flight(rec, epoch):
             self._counters["withdraw_duplicate"] += 1
@@ -446,16 +512,24 @@ class Producer(Endpoint):
             rec.pending = reg
             if rec.state is PState.WRITING:  # the consumer moved on from the live epoch
                 rec.writes = Writes.WITHDRAWN
-        elif rec.state in (PState.HOLDING, PState.DELIVERED):
+        elif rec.state in (PState.HOLDING, PState.DELIVERED, PState.STREAMING):
+            if rec.state is PState.STREAMING:  # nothing of the older epoch is in flight
+                assert rec.reg is not None
+                rec.owe.add(rec.reg.epoch)
+                self._send_owed(rec)
             rec.reg = reg
+            rec.renew_at = self._renew_time(now, reg.lease_until)
             rec.ending = None  # a newer epoch: how it ends is its own
             self._rendezvous(now, rec)
             return
-        else:  # IDLE, or WAIT_KV with an older epoch
+        else:  # IDLE, or WAIT_KV / WAIT_REST with an older epoch
             if rec.reg is not None:
                 self._reject(rec, rec.reg, RejectReason.SUPERSEDED)
             rec.reg = reg
             rec.renew_at = self._renew_time(now, reg.lease_until)
+            if rec.state is PState.WAIT_REST and reg.mode is Mode.PUSH:
+                self._rendezvous(now, rec)  # the partial source is written at once
+                return
         self._step(now, rec, PInput.REGISTER, remote=True)
 
     def _on_peer_ready(self, now: float, peer: str) -> None:
@@ -500,6 +574,9 @@ class Producer(Endpoint):
             rec.timers.clear()
             return
         kind, when = timer[0], timer[1](rec)
+        if when == math.inf:  # nothing to fire (a partial source's hold, no renewal due)
+            rec.timers.clear()
+            return
         if len(rec.timers) == 1 and rec.timers.get(kind) == when:
             return  # its heap entry is still queued and valid
         rec.timers.clear()
@@ -525,8 +602,12 @@ class Producer(Endpoint):
 
     def _rendezvous(self, now: float, rec: Transfer) -> None:
         assert rec.reg is not None
-        push = rec.reg.mode is Mode.PUSH
-        self._step(now, rec, PInput.RENDEZVOUS_PUSH if push else PInput.RENDEZVOUS_PULL)
+        if rec.reg.mode is Mode.PUSH:
+            self._step(now, rec, PInput.RENDEZVOUS_PUSH)
+        elif rec.partial:  # only a whole source is lent: wait for the rest
+            self._step(now, rec, PInput.REGISTER)
+        else:
+            self._step(now, rec, PInput.RENDEZVOUS_PULL)
 
     def _write_result(
         self,
@@ -548,12 +629,22 @@ class Producer(Endpoint):
             rec.timeline.write_done[pair] = now
             if stamps is not None:
                 rec.timeline.ops[pair] = stamps
+            if rec.state is PState.WRITING and self._next_increment(rec, pair):
+                self._step(now, rec, PInput.WRITE_NEXT)
+                return
         if rec.inflight:  # not the last: no side effects, the table keeps the state
             self._step(now, rec, PInput.WRITE_SETTLED)
             return
         settled = self._settled(now, rec)
         rec.writes = Writes.DELIVERING  # none in flight
         self._step(now, rec, settled)
+
+    def _next_increment(self, rec: Transfer, pair: Pair) -> bool:
+        """Whether ``pair`` (none of its writes in flight) has an increment to
+        post: blocks computed since its last write, or the commit."""
+        if rec.writes is not Writes.DELIVERING or pair in rec.committed or rec.src is None:
+            return False
+        return not rec.partial or rec.sent.get(pair) != tuple(map(len, rec.src))
 
     def _failed_write(self, rec: Transfer, epoch: int, pair: Pair, detail: str) -> None:
         if rec.writes is Writes.DELIVERING:
@@ -568,6 +659,8 @@ class Producer(Endpoint):
         if rec.state is PState.DRAINING or rec.writes is not Writes.WITHDRAWN:
             if rec.writes is Writes.FAILING:
                 return PInput.SETTLED_FAILED
+            if rec.state is PState.WRITING and rec.partial:
+                return PInput.SETTLED_PARTIAL  # every increment so far written
             assert rec.reg is not None
             acked = rec.state is PState.WRITING and rec.acked_epoch >= rec.reg.epoch
             return PInput.SETTLED_ACKED if acked else PInput.SETTLED_DELIVERED
@@ -604,21 +697,38 @@ class Producer(Endpoint):
     # --- side effects, by the state entered -----------------------------------------
 
     def _write(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """WRITING: start the live epoch's writes (after the old one, if any)."""
+        """WRITING: post each pair's next increment. A new epoch (after the old
+        one, if any) starts from the source's first block; then each write
+        that settles, and each increment of the source, posts what was
+        computed since. The last increment carries the completion notice."""
         if inp is PInput.SETTLED_NEXT:
             assert rec.reg is not None
             self._settle_owed(rec, rec.reg.epoch)
             rec.reg, rec.pending = rec.pending, None
+            assert rec.reg is not None
+            rec.renew_at = self._renew_time(now, rec.reg.lease_until)
         reg, src = rec.reg, rec.src
         assert reg is not None and src is not None
         view = self._peers[reg.peer]
         assert view.topology is not None
         tid, epoch = rec.transfer_id, reg.epoch
-        rec.timeline.epoch = epoch
-        rec.timeline.write_started = now
+        if inp in (PInput.RENDEZVOUS_PUSH, PInput.SETTLED_NEXT):  # a new epoch
+            rec.sent.clear()
+            rec.committed.clear()
+            rec.timeline.epoch = epoch
+            rec.timeline.write_started = now
+        size = tuple(map(len, src))
         for route in view.topology.routes:
-            notice = Completion(tid, epoch, route.source, route.consumer_rank)
-            rec.inflight.add((route.source, route.consumer_rank))
+            pair = (route.source, route.consumer_rank)
+            if pair in rec.inflight or not self._next_increment(rec, pair):
+                continue
+            first = rec.sent.get(pair, ())
+            rec.sent[pair] = size
+            notice = None
+            if not rec.partial:
+                notice = Completion(tid, epoch, route.source, route.consumer_rank)
+                rec.committed.add(pair)
+            rec.inflight.add(pair)
             self._out.append(
                 StartWrite(
                     tid,
@@ -630,12 +740,19 @@ class Producer(Endpoint):
                     reg.lease_until,
                     notice,
                     reg.skip_tokens,
+                    first,
                 )
             )
+
+    def _epoch_over(self, rec: Transfer) -> None:
+        """The live epoch's writes are over: forget their progress."""
+        rec.sent.clear()
+        rec.committed.clear()
 
     def _delivered(self, now: float, rec: Transfer, inp: PInput) -> None:
         """DELIVERED: every write landed; keep the KV until acknowledged."""
         assert rec.reg is not None
+        self._epoch_over(rec)
         rec.delivered_epoch = rec.reg.epoch
         rec.ending = ReleaseOutcome.DELIVERED
         self._send_owed(rec)
@@ -654,12 +771,19 @@ class Producer(Endpoint):
         self._out.append(Send(reg.peer, Announce(rec.transfer_id, reg.epoch, src, lease)))
 
     def _hold(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """HOLDING: the live epoch (if any) is over; a waiting one starts now."""
+        """HOLDING: the live epoch (if any) is over; a waiting one starts now.
+        A partial source is held without a timer (its prefill still runs)."""
         if inp is PInput.SETTLED_IDLE:
             assert rec.reg is not None
             self._settle_owed(rec, rec.reg.epoch)
+        elif inp is PInput.WITHDRAW:
+            self._send_owed(rec)
+        elif inp is PInput.LEASE_EXPIRED:  # no increment may start past the lease
+            assert rec.reg is not None
+            self._reject(rec, rec.reg, RejectReason.LEASE_EXPIRED)
+        self._epoch_over(rec)
         rec.reg = None
-        rec.hold_until = now + self.config.kv_hold_timeout
+        rec.hold_until = math.inf if rec.partial else now + self.config.kv_hold_timeout
         pending = rec.pending
         if pending is None:
             return
@@ -668,6 +792,7 @@ class Producer(Endpoint):
             self._reject(rec, pending, RejectReason.LEASE_EXPIRED)
         else:
             rec.reg = pending
+            rec.renew_at = self._renew_time(now, pending.lease_until)
             self._rendezvous(now, rec)
 
     def _unwait(self, now: float, rec: Transfer, inp: PInput) -> None:
@@ -692,9 +817,12 @@ class Producer(Endpoint):
             self._reject(rec, rec.pending, RejectReason.RELEASED)
         if outcome is ReleaseOutcome.DELIVERED and reg is not None:
             rec.delivered_epoch = reg.epoch
+        self._epoch_over(rec)
         rec.reg = rec.pending = None
-        rec.expires_at = now + self.config.tombstone_ttl
-        if rec.src is not None:
+        # A partial source is given back at its last increment (or abort):
+        # its request still computes in those blocks.
+        rec.expires_at = math.inf if rec.partial else now + self.config.tombstone_ttl
+        if rec.src is not None and not rec.partial:
             self._held_blocks -= sum(map(len, rec.src))
             rec.timeline.released = now
             self._out.append(

@@ -239,6 +239,12 @@ class PState(_Enum):
     HOLDING = "holding"
     #: Push: the live epoch's writes are in flight.
     WRITING = "writing"
+    #: Push, progressive: every increment of the source so far is written
+    #: (nothing in flight); the prefill still computes the rest.
+    STREAMING = "streaming"
+    #: Pull: a live registration waits for the rest of a partial source (only
+    #: a whole source is lent).
+    WAIT_REST = "wait_rest"
     #: Push: every write of the live epoch landed; the KV is kept until the
     #: consumer acknowledges its Ready (``ReadDone``), so that a newer epoch
     #: (a preemption the producer learns of late) is still written.
@@ -255,7 +261,8 @@ class PState(_Enum):
 
 class PInput(_Enum):
     REGISTER = "register"  #: remote: a registration newer than any seen
-    KV_READY = "kv_ready"  #: local: the source blocks hold the KV
+    KV_READY = "kv_ready"  #: local: the source blocks hold the KV (its last increment)
+    KV_MORE = "kv_more"  #: local: another increment of the source, not the last
     RENDEZVOUS_PUSH = "rendezvous_push"  #: the second of KV/registration, push
     RENDEZVOUS_PULL = "rendezvous_pull"  #: the second of KV/registration, pull
     WITHDRAW = "withdraw"  #: remote: the live epoch was preempted
@@ -265,11 +272,13 @@ class PInput(_Enum):
     KEEP = "keep"  #: remote: a decode that cannot reserve yet asks to keep the KV
     HOLD_EXPIRED = "hold_expired"  #: timer: no usable registration in time
     WRITE_SETTLED = "write_settled"  #: a write finished or failed, not the last
+    WRITE_NEXT = "write_next"  #: a write finished; its pair's next increment is ready
     SETTLED_DELIVERED = "settled_delivered"  #: last write settled, all succeeded
     SETTLED_ACKED = "settled_acked"  #: ... and the consumer already acknowledged
     SETTLED_FAILED = "settled_failed"  #: last write settled, some failed
     SETTLED_NEXT = "settled_next"  #: last write settled; a newer epoch waits
     SETTLED_IDLE = "settled_idle"  #: last write settled; epoch withdrawn
+    SETTLED_PARTIAL = "settled_partial"  #: last write settled; more of the source to come
     READ_DONE = "read_done"  #: remote: the consumer's reads settled, or its ack (push)
     QUARANTINE = "quarantine"  #: timer (pull): no read can still be running
     ABORT = "abort"  #: local: abort the transfer
@@ -285,6 +294,7 @@ _Q = PInput
 PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.IDLE, _Q.REGISTER): _P.WAIT_KV,
     (_P.IDLE, _Q.KV_READY): _P.HOLDING,
+    (_P.IDLE, _Q.KV_MORE): _P.HOLDING,
     (_P.IDLE, _Q.ABORT): _P.RELEASED,
     (_P.IDLE, _Q.PEER_ABORT): _P.RELEASED,
     (_P.IDLE, _Q.PEER_DOWN): _P.IDLE,
@@ -293,6 +303,7 @@ PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.WAIT_KV, _Q.REGISTER): _P.WAIT_KV,
     (_P.WAIT_KV, _Q.RENDEZVOUS_PUSH): _P.WRITING,
     (_P.WAIT_KV, _Q.RENDEZVOUS_PULL): _P.LENT,
+    (_P.WAIT_KV, _Q.KV_MORE): _P.WAIT_REST,
     (_P.WAIT_KV, _Q.WITHDRAW): _P.IDLE,
     (_P.WAIT_KV, _Q.LEASE_EXPIRED): _P.IDLE,
     (_P.WAIT_KV, _Q.RENEW): _P.WAIT_KV,
@@ -307,9 +318,18 @@ PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.HOLDING, _Q.PEER_ABORT): _P.RELEASED,
     (_P.HOLDING, _Q.PEER_DOWN): _P.HOLDING,
     (_P.HOLDING, _Q.KEEP): _P.HOLDING,
+    (_P.HOLDING, _Q.KV_MORE): _P.HOLDING,
+    (_P.HOLDING, _Q.KV_READY): _P.HOLDING,
+    (_P.HOLDING, _Q.REGISTER): _P.WAIT_REST,
     (_P.WRITING, _Q.REGISTER): _P.WRITING,
     (_P.WRITING, _Q.WITHDRAW): _P.WRITING,
     (_P.WRITING, _Q.WRITE_SETTLED): _P.WRITING,
+    (_P.WRITING, _Q.WRITE_NEXT): _P.WRITING,
+    (_P.WRITING, _Q.KV_MORE): _P.WRITING,
+    (_P.WRITING, _Q.KV_READY): _P.WRITING,
+    (_P.WRITING, _Q.RENEW): _P.WRITING,
+    (_P.WRITING, _Q.EXTEND): _P.WRITING,
+    (_P.WRITING, _Q.SETTLED_PARTIAL): _P.STREAMING,
     (_P.WRITING, _Q.SETTLED_DELIVERED): _P.DELIVERED,
     (_P.WRITING, _Q.SETTLED_ACKED): _P.RELEASED,
     (_P.WRITING, _Q.SETTLED_FAILED): _P.RELEASED,
@@ -318,6 +338,28 @@ PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.WRITING, _Q.ABORT): _P.DRAINING,
     (_P.WRITING, _Q.PEER_ABORT): _P.DRAINING,
     (_P.WRITING, _Q.PEER_DOWN): _P.DRAINING,
+    (_P.STREAMING, _Q.KV_MORE): _P.WRITING,
+    (_P.STREAMING, _Q.KV_READY): _P.WRITING,
+    (_P.STREAMING, _Q.RENDEZVOUS_PUSH): _P.WRITING,
+    (_P.STREAMING, _Q.REGISTER): _P.WAIT_REST,
+    (_P.STREAMING, _Q.WITHDRAW): _P.HOLDING,
+    (_P.STREAMING, _Q.LEASE_EXPIRED): _P.HOLDING,
+    (_P.STREAMING, _Q.RENEW): _P.STREAMING,
+    (_P.STREAMING, _Q.EXTEND): _P.STREAMING,
+    (_P.STREAMING, _Q.ABORT): _P.RELEASED,
+    (_P.STREAMING, _Q.PEER_ABORT): _P.RELEASED,
+    (_P.STREAMING, _Q.PEER_DOWN): _P.HOLDING,
+    (_P.WAIT_REST, _Q.KV_MORE): _P.WAIT_REST,
+    (_P.WAIT_REST, _Q.RENDEZVOUS_PULL): _P.LENT,
+    (_P.WAIT_REST, _Q.RENDEZVOUS_PUSH): _P.WRITING,
+    (_P.WAIT_REST, _Q.REGISTER): _P.WAIT_REST,
+    (_P.WAIT_REST, _Q.WITHDRAW): _P.HOLDING,
+    (_P.WAIT_REST, _Q.LEASE_EXPIRED): _P.HOLDING,
+    (_P.WAIT_REST, _Q.RENEW): _P.WAIT_REST,
+    (_P.WAIT_REST, _Q.EXTEND): _P.WAIT_REST,
+    (_P.WAIT_REST, _Q.ABORT): _P.RELEASED,
+    (_P.WAIT_REST, _Q.PEER_ABORT): _P.RELEASED,
+    (_P.WAIT_REST, _Q.PEER_DOWN): _P.HOLDING,
     (_P.DELIVERED, _Q.RENDEZVOUS_PUSH): _P.WRITING,
     (_P.DELIVERED, _Q.RENDEZVOUS_PULL): _P.LENT,
     (_P.DELIVERED, _Q.READ_DONE): _P.RELEASED,
@@ -327,6 +369,8 @@ PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.DELIVERED, _Q.PEER_DOWN): _P.DELIVERED,
     (_P.DRAINING, _Q.REGISTER): _P.DRAINING,
     (_P.DRAINING, _Q.WRITE_SETTLED): _P.DRAINING,
+    (_P.DRAINING, _Q.KV_MORE): _P.DRAINING,
+    (_P.DRAINING, _Q.KV_READY): _P.DRAINING,
     (_P.DRAINING, _Q.SETTLED_DELIVERED): _P.RELEASED,
     (_P.DRAINING, _Q.SETTLED_FAILED): _P.RELEASED,
     (_P.DRAINING, _Q.ABORT): _P.DRAINING,
@@ -342,6 +386,7 @@ PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.LENT, _Q.PEER_DOWN): _P.LENT,
     (_P.RELEASED, _Q.REGISTER): _P.RELEASED,
     (_P.RELEASED, _Q.KV_READY): _P.RELEASED,
+    (_P.RELEASED, _Q.KV_MORE): _P.RELEASED,
     (_P.RELEASED, _Q.EXPIRED): _P.GONE,
     (_P.RELEASED, _Q.ABORT): _P.RELEASED,
     (_P.RELEASED, _Q.PEER_ABORT): _P.RELEASED,

@@ -63,9 +63,16 @@ class Transfer:
     #: ``Rejected(STALLED)``, which took nothing.
     max_attempt: int = 0
     src: BlockIds | None = None
+    #: ``src`` is a prefix: the prefill still computes the rest (progressive).
+    partial: bool = False
     reg: Reg | None = None
     pending: Reg | None = None
     inflight: set[Pair] = field(default_factory=set)
+    #: Push: per pair, the source blocks (per KV group) the live epoch's
+    #: writes posted so far; each increment starts where the last ended.
+    sent: dict[Pair, tuple[int, ...]] = field(default_factory=dict)
+    #: Push: pairs whose last increment, with its completion notice, is posted.
+    committed: set[Pair] = field(default_factory=set)
     #: How the in-flight writes go (``DELIVERING`` when none is in flight).
     writes: Writes = Writes.DELIVERING
     #: Epochs owed a Settled once the in-flight writes settle.

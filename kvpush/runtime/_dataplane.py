@@ -326,14 +326,22 @@ class DataPlane:
         try:
             planner = self._planner(action.peer, route, local_index, remote_index)
             agent = self._agents[(action.peer, remote_index)]
+            write = isinstance(action, StartWrite)
+            # An increment but the last of a progressive source: only what was
+            # computed since the one before, and no notice (b"": none).
+            first: tuple[int, ...] = ()
+            note = None
+            if isinstance(action, StartWrite):
+                first, note = action.first, action.notice
             plan = planner.plan(
-                action.src_blocks, action.dst_blocks, skip_tokens=action.skip_tokens
+                action.src_blocks,
+                action.dst_blocks,
+                skip_tokens=action.skip_tokens,
+                first=first,
+                partial=write and note is None,
             )
             planned = time.monotonic()
-            write = isinstance(action, StartWrite)
-            notice = (
-                self.codec.encode_notice(action.notice) if isinstance(action, StartWrite) else b""
-            )
+            notice = b"" if note is None else self.codec.encode_notice(note)
             prepper = self._preppers.get(local_index)
             if prepper is not None and prepper.prefers_prepped(
                 plan.num_descriptors, plan.num_pieces

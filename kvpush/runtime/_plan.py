@@ -379,6 +379,8 @@ class TransferPlanner:
         dst_blocks: Sequence[Sequence[int]],
         *,
         skip_tokens: int = 0,
+        first: Sequence[int] = (),
+        partial: bool = False,
     ) -> TransferPlan:
         """Plan one transfer. Raises :class:`LocalProtocolError` on bad input.
 
@@ -388,6 +390,11 @@ class TransferPlanner:
         the consumer already holds). The block counts must agree on the number
         of tokens to within a block of each side; whole chunks are copied up to
         the end of the shorter side.
+
+        One increment of a progressive source: ``first[g]`` source blocks of
+        group ``g`` were written before (empty: none), only the chunks after
+        them are planned; ``partial``: more of the source is to come, so it
+        may be shorter than the destination (all its blocks are whole).
         """
         groups = len(self._chunk)
         for what, blocks, want in (
@@ -398,43 +405,44 @@ class TransferPlanner:
                 raise LocalProtocolError(f"{what} must list block ids for {want} KV group(s)")
         if type(skip_tokens) is not int or skip_tokens < 0:
             raise LocalProtocolError(f"skip_tokens must be a non-negative int, got {skip_tokens!r}")
-        small = _small_plan(self, src_blocks, dst_blocks, skip_tokens)
+        if first and (len(first) != groups or any(type(n) is not int or n < 0 for n in first)):
+            raise LocalProtocolError(f"first must list {groups} non-negative block counts")
+        starts = tuple(first) or (0,) * groups
+        small = _small_plan(self, src_blocks, dst_blocks, skip_tokens, starts, partial)
         if small is not None:
             return small
-        chunks = [self._chunks(g, src_blocks[g], dst_blocks[g], skip_tokens) for g in range(groups)]
+        chunks = [
+            self._chunks(g, src_blocks[g], dst_blocks[g], skip_tokens, starts[g], partial)
+            for g in range(groups)
+        ]
         return self._assemble(chunks)
 
-    def _chunks(self, g: int, src: Sequence[int], dst: Sequence[int], skip: int) -> _Chunks:
+    def _chunks(
+        self,
+        g: int,
+        src: Sequence[int],
+        dst: Sequence[int],
+        skip: int,
+        done: int = 0,
+        partial: bool = False,
+    ) -> _Chunks:
         """The chunks to copy in KV group ``g``, in token order."""
-        chunk = self._chunk[g]
         rs, rd = self._ratio[g]
-        bp, bc = chunk * rs, chunk * rd
         s = _block_ids(src, "source", g, self._limits[g][0], unique=False)
         d = _block_ids(dst, "destination", g, self._limits[g][1], unique=True)
-        if skip % bc:
-            raise LocalProtocolError(
-                f"skip_tokens {skip} is not a multiple of the consumer's {bc} tokens per "
-                f"block (KV group {g}); a consumer can only hold whole blocks"
-            )
-        # The token count each side's block list implies, as a closed range.
-        lo_p, hi_p = max(0, (s.size - 1) * bp + 1), s.size * bp
-        lo_d, hi_d = skip + max(0, (d.size - 1) * bc + 1), skip + d.size * bc
-        if max(lo_p, lo_d) > min(hi_p, hi_d):
-            raise LocalProtocolError(
-                f"KV group {g}: {s.size} source blocks of {bp} tokens hold {lo_p}..{hi_p} "
-                f"tokens, but skip_tokens {skip} plus {d.size} destination blocks of {bc} "
-                f"tokens make {lo_d}..{hi_d}: the block lists disagree"
-            )
-        # Chunk i of the request is chunk i - first of the destination list.
-        first, end = skip // chunk, min(hi_p, hi_d) // chunk
+        span = _chunk_span(self._chunk[g], rs, rd, s.size, d.size, skip, done, partial)
+        if isinstance(span, str):
+            raise LocalProtocolError(f"KV group {g}: {span}")
+        # Chunk i of the request is chunk i - base of the destination list.
+        base, first, end = span
         i = np.arange(first, end, dtype=np.int64)
-        j = i - first
+        j = i - base
         if rs == 1:
             sblk, ssub = s[first:end], np.zeros(j.size, dtype=np.int64)
         else:
             sblk, ssub = s[i // rs], i % rs
         if rd == 1:
-            dblk, dsub = d[: j.size], np.zeros(j.size, dtype=np.int64)
+            dblk, dsub = d[first - base : end - base], np.zeros(j.size, dtype=np.int64)
         else:
             dblk, dsub = d[j // rd], j % rd
         return _Chunks(sblk, ssub, dblk, dsub)
@@ -577,8 +585,42 @@ class _PyClass:
 _PyChunks = tuple[list[int], list[int], list[int], list[int]]
 
 
+def _chunk_span(
+    chunk: int, rs: int, rd: int, ns: int, nd: int, skip: int, done: int, partial: bool
+) -> tuple[int, int, int] | str:
+    """``(base, first, end)``: chunks ``first..end`` of the request are copied,
+    chunk ``i`` into chunk ``i - base`` of the destination list; or what is
+    wrong. ``ns``/``nd``: block counts, ``bp = chunk * rs`` and ``bc = chunk
+    * rd`` tokens per block; ``done`` source blocks were written before."""
+    bp, bc = chunk * rs, chunk * rd
+    if skip % bc:
+        return (
+            f"skip_tokens {skip} is not a multiple of the consumer's {bc} tokens per "
+            "block; a consumer can only hold whole blocks"
+        )
+    if done > ns:
+        return f"{done} source blocks written before, but the source has {ns}"
+    # The token count each side's block list implies, as a closed range.
+    lo_p, hi_p = max(0, (ns - 1) * bp + 1), ns * bp
+    lo_d, hi_d = skip + max(0, (nd - 1) * bc + 1), skip + nd * bc
+    if partial and hi_p > hi_d:
+        return (
+            f"an increment of {ns} source blocks of {bp} tokens ({hi_p} tokens) does not fit "
+            f"skip_tokens {skip} plus {nd} destination blocks of {bc} tokens ({hi_d})"
+        )
+    if not partial and max(lo_p, lo_d) > min(hi_p, hi_d):
+        return (
+            f"{ns} source blocks of {bp} tokens hold {lo_p}..{hi_p} tokens, but skip_tokens "
+            f"{skip} plus {nd} destination blocks of {bc} tokens make {lo_d}..{hi_d}: the "
+            "block lists disagree"
+        )
+    base = skip // chunk
+    first = max(base, done * rs)
+    return base, first, max(first, min(hi_p, hi_d) // chunk)
+
+
 def _small_chunks(
-    pl: TransferPlanner, g: int, src: object, dst: object, skip: int
+    pl: TransferPlanner, g: int, src: object, dst: object, skip: int, done: int, partial: bool
 ) -> _PyChunks | None:
     """:meth:`TransferPlanner._chunks` in plain Python; ``None`` when the lists
     are long or anything is wrong (the numpy path then plans, or raises)."""
@@ -594,26 +636,22 @@ def _small_chunks(
                 return None
     if len(set(dst)) != nd:
         return None
-    chunk = pl._chunk[g]
     rs, rd = pl._ratio[g]
-    bp, bc = chunk * rs, chunk * rd
-    if skip % bc:
+    span = _chunk_span(pl._chunk[g], rs, rd, ns, nd, skip, done, partial)
+    if isinstance(span, str):
         return None
-    lo_p, hi_p = max(0, (ns - 1) * bp + 1), ns * bp
-    lo_d, hi_d = skip + max(0, (nd - 1) * bc + 1), skip + nd * bc
-    if max(lo_p, lo_d) > min(hi_p, hi_d):
-        return None
-    first, end = skip // chunk, min(hi_p, hi_d) // chunk
+    base, first, end = span
     n = end - first
     if rs == 1:
         sblk, ssub = list(src[first:end]), [0] * n
     else:
         sblk = [src[i // rs] for i in range(first, end)]
         ssub = [i % rs for i in range(first, end)]
+    js = range(first - base, end - base)
     if rd == 1:
-        dblk, dsub = list(dst[:n]), [0] * n
+        dblk, dsub = list(dst[js.start : js.stop]), [0] * n
     else:
-        dblk, dsub = [dst[j // rd] for j in range(n)], [j % rd for j in range(n)]
+        dblk, dsub = [dst[j // rd] for j in js], [j % rd for j in js]
     return sblk, ssub, dblk, dsub
 
 
@@ -643,7 +681,12 @@ def _small_runs(c: _PyClass, ch: _PyChunks) -> tuple[list[int], list[int], list[
 
 
 def _small_plan(
-    pl: TransferPlanner, src_blocks: Sequence[object], dst_blocks: Sequence[object], skip: int
+    pl: TransferPlanner,
+    src_blocks: Sequence[object],
+    dst_blocks: Sequence[object],
+    skip: int,
+    starts: Sequence[int] = (),
+    partial: bool = False,
 ) -> TransferPlan | None:
     """The plan the numpy path makes, in plain Python, for small transfers (the
     demo's, and large blocks): a handful of numpy calls instead of about fifty.
@@ -651,7 +694,8 @@ def _small_plan(
     checks; ``tests/test_plan.py`` checks that both paths agree."""
     chunks: list[_PyChunks] = []
     for g in range(len(pl._chunk)):
-        ch = _small_chunks(pl, g, src_blocks[g], dst_blocks[g], skip)
+        done = starts[g] if starts else 0
+        ch = _small_chunks(pl, g, src_blocks[g], dst_blocks[g], skip, done, partial)
         if ch is None:
             return None
         chunks.append(ch)

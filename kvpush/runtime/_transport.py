@@ -12,7 +12,10 @@ Descriptors are the planner's ``(N, 3)`` uint64 arrays of ``(address, length,
 device id)`` rows (:class:`~kvpush.runtime.TransferPlan`). Completion notices
 are opaque bytes (the codec's compact :class:`~kvpush.protocol.Completion`
 encoding) that travel *with* the data: a notice is delivered to the target
-only after the bytes of its transfer are visible there.
+only after the bytes of its transfer are visible there, and after those of
+every write to the same agent that completed before it was posted (the
+producer posts the last increment of a progressive source, the one with the
+notice, only once the increments before it completed). ``b""``: no notice.
 """
 
 from __future__ import annotations
@@ -93,8 +96,8 @@ class Transport(Protocol):
 
     def write(self, agent: str, src: Descriptors, dst: Descriptors, notice: bytes) -> int:
         """Post a WRITE of local ``src`` rows into ``agent``'s ``dst`` rows,
-        delivering ``notice`` to it after the data. Returns a handle; raises
-        :class:`TransportError` if it cannot be posted."""
+        delivering ``notice`` to it after the data (``b""``: none). Returns a
+        handle; raises :class:`TransportError` if it cannot be posted."""
         ...
 
     def read(self, agent: str, local: Descriptors, remote: Descriptors) -> int:

@@ -374,7 +374,8 @@ class ShmTransport:
                             f"notice {rec.seq} from {peer.info.agent!r} arrived before its data "
                             f"(CRC32 {actual:#010x} of the destination, {rec.crc:#010x} sent)"
                         )
-                notices.append(Notice(peer.info.agent, rec.payload))
+                if rec.payload:  # b"": a write without a notice (checked all the same)
+                    notices.append(Notice(peer.info.agent, rec.payload))
             inbox.consume(records)
             if closed:  # the writer dropped us; a new mailbox may appear later
                 inbox.close()

@@ -436,7 +436,8 @@ class Fleet:
             rt = op.route
             if ok:
                 p.producer.write_done(now, op.transfer_id, op.epoch, rt.source, rt.consumer_rank)
-                d.consumer.completion_received(now, p.name, op.notice)
+                if op.notice is not None:  # an increment before the last has none
+                    d.consumer.completion_received(now, p.name, op.notice)
             else:
                 p.producer.write_failed(
                     now, op.transfer_id, op.epoch, rt.source, rt.consumer_rank, why

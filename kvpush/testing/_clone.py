@@ -74,6 +74,8 @@ def _producer(p: Producer) -> Producer:
         k: _shallow(
             t,
             inflight=set(t.inflight),
+            sent=dict(t.sent),
+            committed=set(t.committed),
             owe=set(t.owe),
             timers=dict(t.timers),
             timeline=_timeline(t.timeline),
@@ -97,7 +99,7 @@ def _checker(c: InvariantChecker) -> InvariantChecker:
         leases=dict(c.leases),
         producer_withdrawn=set(c.producer_withdrawn),
         producer_aborted=dict(c.producer_aborted),
-        writes=set(c.writes),
+        writes=dict(c.writes),
         readies=set(c.readies),
         reads=dict(c.reads),
     )
@@ -117,6 +119,7 @@ def clone_world(w: World) -> World:
         notices=list(w.notices),
         live=dict(w.live),
         kv=dict(w.kv),
+        parts=dict(w.parts),
         ready=set(w.ready),
         failed=set(w.failed),
         failure_reasons=dict(w.failure_reasons),

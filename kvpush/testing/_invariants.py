@@ -81,7 +81,9 @@ class InvariantChecker:
     #: transfer -> the epoch of the Abort that ended it at the producer (a
     #: newer epoch may be served once the producer forgot the transfer).
     producer_aborted: dict[str, int] = field(default_factory=dict)
-    writes: set[Pair] = field(default_factory=set)
+    #: pair -> the source block indices its increments wrote (I4), and
+    #: whether its last increment (the commit, with the notice) was posted.
+    writes: dict[Pair, tuple[frozenset[int], bool]] = field(default_factory=dict)
     readies: set[str] = field(default_factory=set)
     #: Pull reads the consumer started and was not yet told settled, with the
     #: time by which each is dead anyway (``not_after + op_bound``).
@@ -120,8 +122,9 @@ class InvariantChecker:
         self.res[(tid, epoch)].withdrawn = True
 
     def kv_ready(self, tid: str, blocks: frozenset[int]) -> None:
-        if tid not in self.src_held and tid not in self.src_released:
-            self.src_held[tid] = blocks
+        """The source of ``tid`` so far (an increment repeats what came before)."""
+        if tid not in self.src_released:
+            self.src_held[tid] = self.src_held.get(tid, frozenset()) | blocks
 
     def producer_received(self, now: float, message: object) -> None:
         if isinstance(message, (Register, Extend)):
@@ -208,9 +211,13 @@ class InvariantChecker:
     def _start_write(self, now: float, out: StartWrite) -> None:
         key = (out.transfer_id, out.epoch)
         pair = (out.transfer_id, out.epoch, out.route.source, out.route.consumer_rank)
-        if pair in self.writes:
-            self.fail(f"I4: second write for {pair}")
-        self.writes.add(pair)
+        done, committed = self.writes.get(pair, (frozenset(), False))
+        span = frozenset(_span(out))
+        if committed or span & done:
+            self.fail(f"I4: an increment of {pair} written twice (or after the commit)")
+        if out.notice is not None and len(done | span) != _count(out.src_blocks):
+            self.fail(f"I2: the commit of {pair} leaves blocks of the source unwritten")
+        self.writes[pair] = (done | span, out.notice is not None)
         rec = self.res.get(key)
         if rec is None or not rec.registered or _flat(out.dst_blocks) != rec.blocks:
             self.fail(f"I1: write for {key} targets blocks not registered under it")
@@ -270,7 +277,9 @@ class InvariantChecker:
     def landed(self, now: float, op: StartWrite | StartRead) -> None:
         """A write (or read) moved bytes into ``op.dst_blocks`` just now."""
         key = (op.transfer_id, op.epoch)
-        for b in _flat(op.dst_blocks):
+        dst = [b for g in op.dst_blocks for b in g]
+        targets = [dst[i] for i in _span(op)] if isinstance(op, StartWrite) else dst
+        for b in targets:
             if self.dst_owner.get(b) != key or self.res[key].ended is not None:
                 self.fail(f"I1: data of {key} landed in block {b} it does not own")
             self.content[b].add((*key, op.route.source, op.route.consumer_rank))
@@ -346,3 +355,19 @@ class InvariantChecker:
 
 def _flat(blocks: tuple[tuple[int, ...], ...]) -> frozenset[int]:
     return frozenset(b for group in blocks for b in group)
+
+
+def _count(blocks: tuple[tuple[int, ...], ...]) -> int:
+    return sum(map(len, blocks))
+
+
+def _span(op: StartWrite) -> list[int]:
+    """The flat indices of the source blocks one increment writes (the model
+    world's blocks are alike on both sides: index ``i`` lands in ``dst[i]``)."""
+    out: list[int] = []
+    base = 0
+    for g, group in enumerate(op.src_blocks):
+        first = op.first[g] if op.first else 0
+        out += range(base + first, base + len(group))
+        base += len(group)
+    return out

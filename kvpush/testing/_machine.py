@@ -57,6 +57,11 @@ class ProtocolMachine(RuleBasedStateMachine):
     def kv_ready(self, tid: str) -> None:
         self.world.kv_ready(tid)
 
+    @rule(tid=transfer_ids())
+    def kv_increment(self, tid: str) -> None:
+        """Progressive push: the source's first blocks, before the rest."""
+        self.world.kv_increment(tid)
+
     @precondition(lambda self: self.faults)
     @rule(tid=transfer_ids(), coin=_rarely)
     def abort_consumer(self, tid: str, coin: int) -> None:

@@ -112,6 +112,8 @@ class World:
         self.notices: list[Completion] = []
         self.live: dict[str, int] = {}  # transfer -> live epoch
         self.kv: dict[str, tuple[int, ...]] = {}  # transfer -> source blocks
+        #: transfer -> the source blocks of its increment (before its last).
+        self.parts: dict[str, tuple[int, ...]] = {}
         self.ready: set[str] = set()
         self.failed: set[tuple[str, int]] = set()
         self.failure_reasons: dict[tuple[str, int], FailureReason] = {}
@@ -196,19 +198,41 @@ class World:
         return True
 
     def kv_ready(self, tid: str) -> bool:
+        """The prefill of ``tid`` is done (its last increment, if it had some)."""
         n = self.config.blocks_per_transfer
-        if not self.producer_alive or tid in self.kv or len(self.free_src) < n:
+        part = self.parts.pop(tid, ())
+        if not self.producer_alive or tid in self.kv or len(self.free_src) < n - len(part):
+            if part:
+                self.parts[tid] = part
             return False
-        blocks, self.free_src = self.free_src[:n], self.free_src[n:]
+        rest, self.free_src = self.free_src[: n - len(part)], self.free_src[n - len(part) :]
+        blocks = [*part, *rest]
         self.kv[tid] = tuple(blocks)
         self.checker.kv_ready(tid, frozenset(blocks))
         self.producer.kv_ready(self.clock.now, tid, [blocks])
         self.pump()
         return True
 
+    def kv_increment(self, tid: str) -> bool:
+        """The prefill of ``tid`` computed its first ``blocks_per_transfer - 1``
+        blocks (progressive push: an increment, not the last)."""
+        n = self.config.blocks_per_transfer - 1
+        if not self.producer_alive or tid in self.kv or tid in self.parts or n < 1:
+            return False
+        if len(self.free_src) < n:
+            return False
+        blocks, self.free_src = self.free_src[:n], self.free_src[n:]
+        self.parts[tid] = tuple(blocks)
+        self.checker.kv_ready(tid, frozenset(blocks))
+        self.producer.kv_ready(self.clock.now, tid, [blocks], final=False)
+        self.pump()
+        return True
+
     def abort_producer(self, tid: str) -> bool:
         if not self.producer_alive:
             return False
+        if tid in self.parts:  # the prefill is gone: its source ends where it is
+            self.kv[tid] = self.parts.pop(tid)
         self.producer.abort(self.clock.now, tid)
         self.pump()
         return True
@@ -247,6 +271,7 @@ class World:
         self.producer_alive = True
         self.free_src = list(range(self.config.pool_blocks))
         self.kv.clear()
+        self.parts.clear()
         self.checker.producer_restarted()
         reads = [op for op in self.ops if isinstance(op.action, StartRead)]
         self.ops = [op for op in self.ops if not isinstance(op.action, StartRead)]
@@ -359,7 +384,8 @@ class World:
         self.checker.landed(self.clock.now, op.action)
         if isinstance(op.action, StartWrite):
             op.landed = True
-            self.notices.append(op.action.notice)
+            if op.action.notice is not None:  # an increment but the last has none
+                self.notices.append(op.action.notice)
         else:
             del self.ops[index]
             self._report(op, ok=True)

@@ -58,6 +58,7 @@ class _Node:
     stalls_left: int = 0  # process stalls still to come
     stops_left: int = 0  # unbounded producer stops still to come
     stopped: bool = False  # a stop happened (liveness is not promised after one)
+    increments: bool = False  # a source may come in two increments
 
 
 def _clone(node: _Node) -> _Node:
@@ -71,6 +72,7 @@ def _clone(node: _Node) -> _Node:
         node.stalls_left,
         node.stops_left,
         node.stopped,
+        node.increments,
     )
 
 
@@ -152,6 +154,7 @@ def _digest(node: _Node) -> bytes:
         sorted(node.reserved),
         sorted(w.consumer._suspect.items()),
         sorted(node.rereserve),
+        sorted(w.parts.items()),
     )
     return hashlib.blake2b(repr(state).encode(), digest_size=16).digest()
 
@@ -166,6 +169,8 @@ def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
             yield f"reserve {tid}", partial(_reserve, tid=tid)
         if tid not in w.kv:
             yield f"kv_ready {tid}", partial(_kv_ready, tid=tid)
+            if node.increments and tid not in w.parts:
+                yield f"kv_increment {tid}", partial(_kv_increment, tid=tid)
         if node.preempts_left and tid in w.live:
             yield f"preempt {tid}", partial(_preempt, tid=tid)
     seen: set[str] = set()
@@ -197,6 +202,10 @@ def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
 
 def _kv_ready(node: _Node, tid: str) -> None:
     node.world.kv_ready(tid)
+
+
+def _kv_increment(node: _Node, tid: str) -> None:
+    node.world.kv_increment(tid)
 
 
 def _deliver(node: _Node, index: int) -> None:
@@ -270,9 +279,10 @@ def _ack(node: _Node, index: int) -> None:
 
 
 def _land_and_notify(node: _Node, index: int) -> None:
-    _land(node, index)
     w = node.world
-    if w.notices:
+    before = len(w.notices)
+    _land(node, index)
+    if len(w.notices) > before:  # an increment before the last has no notice
         w.notify(len(w.notices) - 1)
 
 
@@ -285,6 +295,7 @@ def explore(
     hello_losses: int = 0,
     stalls: int = 0,
     stops: int = 0,
+    increments: int = 1,
     limit: int = 5_000_000,
     progress: Callable[[int], None] | None = None,
     reduce: bool = True,
@@ -298,7 +309,9 @@ def explore(
     transfers may fail, by their deadline). ``stops``: that many times the
     prefill stops with writes posted until every timer of the decode passed,
     and its writes land whenever it resumes (I1 must hold with no bound on
-    the stall; a transfer may fail)."""
+    the stall; a transfer may fail). ``increments=2``: a source may come in
+    two increments (progressive push: the first block, then the rest), in any
+    order with everything else."""
     if config is None:
         config = WorldConfig(
             producer_tp=2,
@@ -314,7 +327,15 @@ def explore(
     world = World(config)
     world.events = _Discard()
     root = _Node(
-        world, preemptions, duplicates, frozenset(), frozenset(), hello_losses, stalls, stops
+        world,
+        preemptions,
+        duplicates,
+        frozenset(),
+        frozenset(),
+        hello_losses,
+        stalls,
+        stops,
+        increments=increments > 1,
     )
     visited = {_digest(root)}
     stack: list[tuple[_Node, list[str]]] = [(root, [])]
@@ -436,6 +457,13 @@ def main(argv: list[str] | None = None) -> int:
         help="unbounded prefill stops with writes posted (they land whenever it resumes)",
     )
     parser.add_argument(
+        "--increments",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: a source may come in two increments (progressive push)",
+    )
+    parser.add_argument(
         "--no-reduction", action="store_true", help="walk every order of independent moves too"
     )
     args = parser.parse_args(argv)
@@ -456,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         hello_losses=args.hello_losses,
         stalls=args.stalls,
         stops=args.stops,
+        increments=args.increments,
         reduce=not args.no_reduction,
         progress=lambda n: print(f"{n} states...", file=sys.stderr, flush=True),
     )
