@@ -440,8 +440,9 @@ class EndpointRuntime(Generic[E]):
 class ProducerRuntime(EndpointRuntime[Producer]):
     """A producer endpoint on anyio."""
 
-    def kv_ready(self, transfer_id: str, blocks: list[list[int]]) -> None:
-        self.endpoint.kv_ready(self.now(), transfer_id, blocks)
+    def kv_ready(self, transfer_id: str, blocks: list[list[int]], *, final: bool = True) -> None:
+        """``final=False``: an increment (progressive push, see ``Producer.kv_ready``)."""
+        self.endpoint.kv_ready(self.now(), transfer_id, blocks, final=final)
         self.kick()
 
     def abort(self, transfer_id: str) -> bool:
