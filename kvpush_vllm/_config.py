@@ -56,6 +56,9 @@ class ConnectorConfig:
     #: router's ``host:port`` and this instance's HTTP ``host:port``. Opt-in:
     #: MoRI-IO legs are read only when it is set.
     router_discovery: tuple[str, str] | None = None
+    #: Prefill: write each chunked-prefill step's blocks while the rest is
+    #: computed (progressive push, ``_progressive.py``); push legs only.
+    progressive: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -65,7 +68,7 @@ class ConnectorConfig:
             "host", "port", "engine_id", "secret", "mode", "ready_timeout",
             "kv_hold_timeout", "max_transit", "op_bound", "backends", "backend_params",
             "allow_unproven", "timeline_file", "idle_wait", "allowed_peers",
-            "router_discovery",
+            "router_discovery", "progressive",
         }  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -126,6 +129,9 @@ class ConnectorConfig:
         for peer in peers:
             if not isinstance(peer, str) or not peer:
                 raise ConfigError(f"allowed_peers: {peer!r} is not a host:port or host")
+        progressive = raw.get("progressive", False)
+        if type(progressive) is not bool:
+            raise ConfigError(f"progressive must be true or false, got {progressive!r}")
         discovery = raw.get("router_discovery")
         if discovery is not None:
             if not isinstance(discovery, Mapping) or set(discovery) != {"router", "http"}:
@@ -157,4 +163,5 @@ class ConnectorConfig:
             idle_wait=float(idle_wait),
             allowed_peers=frozenset(peers),
             router_discovery=discovery,
+            progressive=progressive,
         )

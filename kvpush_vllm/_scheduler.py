@@ -26,6 +26,7 @@ What vLLM hears, and when:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
 import threading
@@ -337,6 +338,11 @@ class SchedulerSide:
         sync, _ = self._running()
         sync.call(sync.runtime.kv_ready, params.transfer_id, [blocks])
         return True
+
+    def kv_increment(self, transfer_id: str, blocks: list[int]) -> None:
+        """Progressive push: the whole blocks a prefill computed so far."""
+        sync, _ = self._running()
+        sync.call(functools.partial(sync.runtime.kv_ready, final=False), transfer_id, [blocks])
 
     def abandon(self, req_id: str, params: TransferParams) -> None:
         """The prefill request ended without its KV (aborted): tell the decode

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from kvpush.protocol import Codec, KVLayout, Role, StartRead, StartWrite
+from kvpush.protocol import Codec, KVLayout, MemoryType, Role, StartRead, StartWrite
 from kvpush.runtime import (
     DataPlane,
     NoticeIn,
@@ -42,6 +42,9 @@ class WorkerSide:
         self._dataplane: DataPlane | None = None
         self._lock = threading.Lock()
         self._results: list[Result] = []
+        self._computed: list[tuple[int, str, int]] = []
+        #: The KV lives on a CUDA device (set by :meth:`register`).
+        self._cuda = False
         self.blob: bytes | None = None
         self._reported = {"posted": 0, "failed": 0, "bytes": 0, "notices": 0}
         self._notices = 0
@@ -55,6 +58,7 @@ class WorkerSide:
         dp.bind(self._collect)
         dp.start()
         self._dataplane = dp
+        self._cuda = any(r.memory is MemoryType.VRAM for r in layout.regions)
         self.blob = encode_rank(self._transport.metadata(), layout)
         return self.blob
 
@@ -70,6 +74,24 @@ class WorkerSide:
         for action in actions:
             if self._serves(action):
                 dp.submit(action)
+
+    def computed(self, progress: Sequence[tuple[str, int]]) -> None:
+        """This rank's forward wrote the KV of ``progress`` (req id, tokens).
+        On a GPU the forward's kernels may still run: wait for the stream."""
+        dp = self._dataplane
+        if dp is None:
+            return
+        if self._cuda:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        with self._lock:
+            self._computed += [(self.rank, req_id, tokens) for req_id, tokens in progress]
+
+    def take_computed(self) -> list[tuple[int, str, int]]:
+        with self._lock:
+            out, self._computed = self._computed, []
+        return out
 
     def take_results(self) -> list[Result]:
         """Results and notices since the last call (thread-safe)."""

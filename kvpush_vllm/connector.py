@@ -32,12 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvpush.protocol import Codec, ConfigError, Role, StartRead, StartWrite
+from kvpush.protocol import Codec, ConfigError, Mode, Role, StartRead, StartWrite
 from kvpush.runtime import PeerRanks, Result, decode_rank
 
 from ._config import ConnectorConfig
 from ._contract import Contract
 from ._params import LegRole, ParamsError, TransferParams
+from ._progressive import Progress
 from ._proven import Facts, check_proven, handshake_fingerprint, kv_layout_kind
 from ._scheduler import SchedulerSide
 from ._stats import KvpushPromMetrics, KvpushStats
@@ -65,6 +66,9 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
     #: req id -> block ids that failed to load (those req ids are also in
     #: ``finished_recving``).
     load_failures: dict[str, list[int]] = field(default_factory=dict)
+    #: Progressive push: (req id, tokens computed once this step's forward is
+    #: done), echoed by every worker after its ``wait_for_save``.
+    progress: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -72,10 +76,12 @@ class KvpushWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Every worker -> scheduler, once per step (aggregated by vLLM)."""
 
     results: list[Result] = field(default_factory=list)
+    #: (rank, req id, tokens): KV a step's forward wrote (``progress``, echoed).
+    computed: list[tuple[int, str, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvpushWorkerMetadata)
-        return KvpushWorkerMetadata(self.results + other.results)
+        return KvpushWorkerMetadata(self.results + other.results, self.computed + other.computed)
 
 
 @dataclass
@@ -108,7 +114,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._head_size = model.get_head_size()
         # Refuse what make e2e does not prove, before anything starts (_proven.py).
         self._facts = Facts.from_vllm(vllm_config, kv_cache_config)
-        check_proven(self._facts.values(), self._config.allow_unproven, ktc.kv_role)
+        facts = self._facts.values()
+        if self._config.progressive and self._kv_role is Role.PRODUCER:
+            facts["progressive"] = self._facts.platform
+        check_proven(facts, self._config.allow_unproven, ktc.kv_role)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._local_hits: dict[str, int] = {}
@@ -116,6 +125,12 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._contract = Contract(cfg.secret, cfg.allowed_peers, cfg.router_discovery is not None)
         #: req id -> its leg, parsed once (the prefill mints transfer ids).
         self._legs: dict[str, TransferParams | None] = {}
+        #: Prefill, progressive push: each chunk's blocks go as an increment.
+        self._progress: Progress | None = None
+        if cfg.progressive and self._kv_role is Role.PRODUCER:
+            self._progress = Progress(self._block_size, self._tp)
+        #: Prefill requests whose transfer was abandoned mid-stream (preempted).
+        self._abandoned: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 self._kv_role, self._config, self._tp, self._total_heads, self._block_size
@@ -159,6 +174,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._kv_role is not Role.CONSUMER:
             if self._sched.breakdown.enabled:
                 self._sched.scheduled(request.request_id, self._params(request))
+            if self._progress is not None:
+                leg = self._params(request)
+                if leg is not None and leg.mode is Mode.PUSH:
+                    prompt = len(request.prompt_token_ids or ())
+                    self._progress.track(request.request_id, leg.transfer_id, prompt)
             return 0, False
         prompt = len(request.prompt_token_ids or ())
         n = self._sched.tokens_to_load(
@@ -184,19 +204,33 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._sched is not None
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._sched.preempted(req_id)
+            self._prefill_preempted(req_id)
         if self._sched.breakdown.enabled:
             new = getattr(scheduler_output, "scheduled_new_reqs", None) or ()
             self._sched.first_steps([r.req_id for r in new])
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         out, reports = self._sched.step(idle)
+        progress = [] if self._progress is None else self._progress.plan(scheduler_output)
         return KvpushMetadata(
-            out.actions, out.peers, reports.sending, reports.recving, reports.failed
+            out.actions, out.peers, reports.sending, reports.recving, reports.failed, progress
         )
+
+    def _prefill_preempted(self, req_id: str) -> None:
+        """A progressive prefill lost its blocks: its increments are void."""
+        transfer_id = None if self._progress is None else self._progress.preempted(req_id)
+        leg = self._legs.get(req_id)
+        if transfer_id is not None and leg is not None and self._sched is not None:
+            log.warning("kvpush: prefill %s preempted mid-stream: its transfer ends", req_id)
+            self._abandoned.add(req_id)
+            self._sched.abandon(req_id, leg)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._sched is not None and isinstance(meta, KvpushWorkerMetadata):
             self._sched.results(meta.results)
+            if self._progress is not None and meta.computed:
+                for _, transfer_id, blocks in self._progress.computed(meta.computed):
+                    self._sched.kv_increment(transfer_id, blocks)
         recving = getattr(connector_output, "finished_recving", None)
         if self._sched is not None and recving and self._sched.breakdown.enabled:
             self._sched.recving_seen(set(recving))
@@ -210,7 +244,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         del self._legs[req_id]
         if self._kv_role is Role.CONSUMER:
             return self._sched.finished_decode(req_id), None
-        if params is None:
+        if self._progress is not None:
+            self._progress.forget(req_id)
+        if params is None or req_id in self._abandoned:
+            self._abandoned.discard(req_id)
             return False, None
         if not _finished_normally(request):
             self._sched.abandon(req_id, params)
@@ -287,7 +324,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Nothing: the prefill's KV is sent whole once the request finished."""
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for (see :meth:`save_kv_layer`)."""
+        """The step's forward is done: progressive push reports the chunks it
+        computed (``_progressive.py``)."""
+        meta = self._bound()
+        if self._worker is not None and meta is not None and meta.progress:
+            self._worker.computed(meta.progress)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         meta = self._bound()
@@ -341,8 +382,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
-        results = self._worker.take_results()
-        return KvpushWorkerMetadata(results) if results else None
+        results, computed = self._worker.take_results(), self._worker.take_computed()
+        return KvpushWorkerMetadata(results, computed) if results or computed else None
 
     def _bound(self) -> KvpushMetadata | None:
         if not self.has_connector_metadata():

@@ -822,6 +822,8 @@ class Producer(Endpoint):
         # A partial source is given back at its last increment (or abort):
         # its request still computes in those blocks.
         rec.expires_at = math.inf if rec.partial else now + self.config.tombstone_ttl
+        if rec.partial:
+            rec.ending = outcome  # what SourceReleased will say
         if rec.src is not None and not rec.partial:
             self._held_blocks -= sum(map(len, rec.src))
             rec.timeline.released = now

