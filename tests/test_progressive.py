@@ -286,3 +286,24 @@ def test_the_explorer_catches_an_increment_written_after_a_withdraw(
     monkeypatch.setattr(Producer, "_next_increment", blind)
     with pytest.raises(InvariantViolation, match=r"I1|I4"):
         explore(transfers=1, increments=2, duplicates=0)
+
+
+def test_the_lease_running_out_while_an_increment_is_in_flight_ends_the_epoch() -> None:
+    """No increment starts past the lease, even when the timer fires late or a
+    write settles after it: the epoch ends once its writes settle (Settled),
+    and the source is held for a newer registration."""
+    p = make()
+    p.receive(0.0, D, register(1, lease=20.0))
+    p.kv_ready(1.0, "t1", [[1]], final=False)
+    (w,) = writes(p.drain())
+    p.kv_ready(2.0, "t1", [[1, 2]], final=False)
+    p.handle_timer(25.0)  # the renewal timer, fired late (a stall): no Renew now
+    assert sent(p.drain()) == []
+    out = done(p, [w], 26.0)
+    assert writes(out) == [] and sent(out) == [Settled("t1", 1)]
+    assert p.transfers() == [("t1", PState.HOLDING)]
+    assert p.stats()["lease_over_mid_stream"] == 1
+    p.kv_ready(27.0, "t1", [[1, 2, 3]])
+    p.receive(27.5, D, register(2))
+    (w2,) = writes(p.drain())
+    assert (w2.epoch, w2.first, w2.notice is not None) == (2, (), True)

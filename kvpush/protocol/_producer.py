@@ -192,6 +192,8 @@ class Producer(Endpoint):
             rec.timeline.kv_ready = now
         inp = PInput.KV_READY if final else PInput.KV_MORE
         reg = rec.reg
+        if rec.state is PState.WRITING:
+            self._lease_over(now, rec)
         if rec.state in _LEASED:
             assert reg is not None
             if now > reg.lease_until:
@@ -560,7 +562,22 @@ class Producer(Endpoint):
             rec.renew_at = self._renew_time(now, reg.lease_until)
             self._step(now, rec, PInput.RENEW)
             return
+        if rec.state is PState.WRITING:  # fired late, past the lease
+            rec.renew_at = math.inf
+            self._lease_over(now, rec)
         self._step(now, rec, _FIRES[kind])
+
+    def _lease_over(self, now: float, rec: Transfer) -> None:
+        """WRITING: no increment may start past the lease; an epoch with one
+        still to post ends once its writes settle (as if withdrawn)."""
+        reg = rec.reg
+        if reg is None or now <= reg.lease_until or rec.writes is not Writes.DELIVERING:
+            return
+        view = self._peers[reg.peer]
+        assert view.topology is not None
+        if len(rec.committed) < len(view.topology.routes):
+            self._counters["lease_over_mid_stream"] += 1
+            rec.writes = Writes.WITHDRAWN
 
     def _renew_time(self, now: float, until: float) -> float:
         """Halfway to ``until``, unless too little is left for a renewal to
@@ -629,6 +646,8 @@ class Producer(Endpoint):
             rec.timeline.write_done[pair] = now
             if stamps is not None:
                 rec.timeline.ops[pair] = stamps
+            if rec.state is PState.WRITING:
+                self._lease_over(now, rec)
             if rec.state is PState.WRITING and self._next_increment(rec, pair):
                 self._step(now, rec, PInput.WRITE_NEXT)
                 return

@@ -29,8 +29,10 @@ class Writes(enum.Enum):
     DELIVERING = "delivering"
     #: A write failed: the epoch fails once the others settle.
     FAILING = "failing"
-    #: The consumer moved on (withdrew the epoch, or registered a newer one):
-    #: once the writes settle the KV is held again, or the newer epoch written.
+    #: The consumer moved on (withdrew the epoch, or registered a newer one),
+    #: or its lease ran out before the last increment was posted: once the
+    #: writes settle the KV is held again (``Settled``), or the newer epoch
+    #: written.
     WITHDRAWN = "withdrawn"
 
 
