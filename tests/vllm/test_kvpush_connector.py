@@ -78,10 +78,13 @@ class Engine:
             self.sent |= kvo.finished_sending or set()
             self.recved |= kvo.finished_recving or set()
         req_ids = list(out.num_scheduled_tokens)
+        # As the model runner does: a chunk short of the prompt samples nothing.
+        reqs = self.scheduler.requests
+        partial = {r for r in req_ids if reqs[r].num_computed_tokens < reqs[r].num_prompt_tokens}
         result = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
+            sampled_token_ids=[[] if r in partial else [7] for r in req_ids],
             kv_connector_output=kvo,
         )
         for outputs in self.scheduler.update_from_output(out, result).values():
@@ -481,3 +484,54 @@ def test_stats_reach_vllm_s_prometheus_registry(
     assert "vllm:kvpush_phase_seconds_count" in text
     assert any("h:load" in p for p in merged), merged  # the decode's load, timed
     assert any("h:source_held" in p for p in merged), merged  # the prefill's hold
+
+
+def test_a_chunked_prefill_pushes_each_chunk_while_the_next_is_computed(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Progressive push through vLLM's real scheduler: 16 tokens a step, so a
+    40-token prompt takes three steps; the first two chunks' blocks are written
+    as increments once the worker's wait_for_save echoed them, the last commits.
+    The decode's KV equals the prefill's."""
+    port = free_port()
+    prefill = Engine(
+        make_scheduler, make_worker_connector, "kv_producer",
+        {"port": port, "progressive": True}, max_num_batched_tokens=16,
+    )  # fmt: skip
+    decode = Engine(make_scheduler, make_worker_connector, "kv_consumer", {})
+    fill(prefill, 3)
+    prompt = list(range(3, 43))
+    tid, peer = "kvp-progressive-1", f"127.0.0.1:{port}"
+    p_params = TransferParams(tid, "prefill", Mode.PUSH, "decode").to_params()
+    d_params = TransferParams(tid, "decode", Mode.PUSH, peer).to_params()
+    decode.scheduler.add_request(make_request("d1", prompt, 4, d_params))
+    prefill.scheduler.add_request(make_request("p1", prompt, 1, p_params))
+    decode.step(monkeypatch)
+    steps = 0
+    while "p1" not in prefill.finished:
+        prefill.step(monkeypatch)
+        decode.step(monkeypatch)
+        steps += 1
+        time.sleep(0.05)  # the registration and the increments' writes move meanwhile
+        assert steps < 10
+    assert steps == 3
+    dp = prefill.worker._worker._dataplane
+    assert dp is not None
+    early = dp.posted  # written while the prompt was still being computed
+    p_blocks = prefill.blocks("p1")
+    run([prefill, decode], monkeypatch, lambda: "d1" in decode.recved and "p1" in prefill.sent)
+    d_blocks = decode.blocks("d1")
+    for name in decode.kv:
+        assert torch.equal(decode.kv[name][d_blocks], prefill.kv[name][p_blocks]), name
+    assert early >= 1 and dp.posted >= early + 1  # increment(s), then the commit
+
+
+def test_progressive_push_is_refused_off_the_cpu_it_was_proven_on(make_scheduler: Any) -> None:
+    from kvpush_vllm import _proven
+
+    with pytest.raises(Exception, match="refuses progressive = cuda"):
+        _proven.check_proven({"progressive": "cuda"}, (), "kv_producer")
+    _proven.check_proven({"progressive": "cpu"}, (), "kv_producer")
