@@ -16,7 +16,7 @@ from ._run import Row, simulate
 __all__ = ("DESCRIPTION", "HELP", "add_arguments", "parse_list", "parse_tokens", "run")
 
 # The ``simulate`` entry of the ``kvpush.commands`` registry (pyproject.toml).
-HELP = "simulate a P/D fleet (pull, push, bg-pull) on the real protocol core"
+HELP = "simulate a P/D fleet (pull, push, bg-pull, progressive) on the real protocol core"
 DESCRIPTION = (
     "Discrete-event model of prefill and decode instances, links and a "
     "router, with the real kvpush producer and consumer on a simulated clock; prints "
@@ -62,7 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", default="seed", help="scenario name or JSON file (default: seed)")
     p.add_argument("--qps", default="1,2,4,8", help="request rates, comma-separated")
     p.add_argument("--input-tokens", default="1k,4k,16k", help="input lengths, e.g. 1k,4k,16k")
-    p.add_argument("--modes", default="pull,push,bg-pull", help="modes: pull, push, bg-pull")
+    p.add_argument(
+        "--modes", default="pull,push,bg-pull", help="modes: pull, push, bg-pull, progressive"
+    )
     p.add_argument("--requests", type=int, default=None, help="requests per run (default 1000)")
     p.add_argument("--duration", type=float, default=None, help="simulated seconds of arrivals")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -116,14 +118,14 @@ def _progress(total: int, quiet: bool) -> tuple[Callable[[str], None], Callable[
 
 def _table(rows: list[Row]) -> str:
     head = (
-        f"{'mode':8} {'qps':>6} {'input':>6} {'done':>5} {'fail':>4} {'TTFT mean':>10} "
+        f"{'mode':11} {'qps':>6} {'input':>6} {'done':>5} {'fail':>4} {'TTFT mean':>10} "
         f"{'p50':>8} {'p99':>8} {'TPOT':>7} {'P queue':>8} {'prefill':>8} "
         f"{'handoff':>8} {'join':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.mode:8} {r.qps:>6g} {r.input_tokens:>6} {r.completed:>5} {r.failed:>4} "
+            f"{r.mode:11} {r.qps:>6g} {r.input_tokens:>6} {r.completed:>5} {r.failed:>4} "
             f"{r.ttft_ms_mean:>10.1f} {r.ttft_ms_p50:>8.1f} {r.ttft_ms_p99:>8.1f} "
             f"{r.tpot_ms_mean:>7.2f} {r.prefill_queue_ms:>8.1f} {r.prefill_ms:>8.1f} "
             f"{r.handoff_ms:>8.1f} {r.join_ms:>6.1f}"

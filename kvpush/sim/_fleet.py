@@ -40,8 +40,14 @@ from ._request import Request
 
 __all__ = ("MODES", "Fleet")
 
-#: Simulator modes: (core mode, where the decode side prepares descriptors).
-MODES: dict[str, Mode] = {"pull": Mode.PULL, "push": Mode.PUSH, "bg-pull": Mode.PULL}
+#: Simulator modes and their core mode. ``progressive``: push, the prefill
+#: calling ``kv_ready(final=False)`` after each chunk.
+MODES: dict[str, Mode] = {
+    "pull": Mode.PULL,
+    "push": Mode.PUSH,
+    "bg-pull": Mode.PULL,
+    "progressive": Mode.PUSH,
+}
 
 Op = StartWrite | StartRead
 
@@ -55,6 +61,16 @@ def runs(src: tuple[int, ...], dst: tuple[int, ...]) -> int:
     return n
 
 
+def _moved(op: Op) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (source, destination) blocks ``op`` moves: for an increment of a
+    progressive push, the blocks after ``first`` of the source so far."""
+    src, dst = op.src_blocks[0], op.dst_blocks[0]
+    if isinstance(op, StartWrite) and (op.first or len(src) < len(dst)):
+        start = op.first[0] if op.first else 0
+        return src[start:], dst[start : len(src)]
+    return src, dst
+
+
 class Fleet:
     """P and D instances wired through the core for one mode."""
 
@@ -63,8 +79,10 @@ class Fleet:
         self.model = scenario.model
         self.mode = mode
         self.core_mode = MODES[mode]
+        self.progressive = mode == "progressive"
         router = scenario.fleet.router
-        self.sequential = router == "sequential" or (router == "auto" and mode != "push")
+        auto_seq = self.core_mode is Mode.PULL
+        self.sequential = router == "sequential" or (router == "auto" and auto_seq)
         #: Faults and per-rank completion order (arrivals have their own stream).
         self.rng = random.Random(f"{seed}/fleet")
         self.loop = EventLoop()
@@ -84,8 +102,9 @@ class Fleet:
         #: done -> source released) in seconds; the second is the hold until
         #: the decode's acknowledgment.
         self.source_holds: list[tuple[float, float]] = []
-        #: Integrity, checked by the simulator itself (not by the core).
-        self.landed: dict[tuple[str, int], int] = {}
+        #: Integrity, checked by the simulator itself (not by the core): per
+        #: (transfer, epoch), how many routes' bytes landed in each block.
+        self.landed: dict[tuple[str, int], dict[int, int]] = {}
         self.owner: list[dict[int, tuple[str, int]]] = []
         #: The router's loads (no capacity: it does not know the pools).
         self.ledger = Ledger(scenario.fleet.prefill, scenario.fleet.decode)
@@ -119,6 +138,9 @@ class Fleet:
         return Consumer(ConsumerConfig(self._identity(f"d{index}", 1)))
 
     # --- cost model ------------------------------------------------------------------
+
+    def prefill_chunks(self, tokens: int) -> list[tuple[int, float]]:
+        return self.s.hardware.prefill_chunks(self.model, tokens, self.s.control.chunk_tokens)
 
     def prefill_s(self, tokens: int) -> float:
         t = self._prefill_cache.get(tokens)
@@ -169,10 +191,21 @@ class Fleet:
         d.requests[r.tid] = r
         self.loop.after(delay, lambda: self.admit(d, r))
 
+    def prefill_chunk(self, p: PrefillInstance, r: Request, part: tuple[int, ...]) -> None:
+        """Progressive: ``part``, the whole blocks so far, is computed."""
+        if not r.ended:
+            r.increments += 1
+            p.producer.kv_ready(self.loop.now, r.tid, (part,), final=False)
+            self.touch_p(p)
+
     def prefill_done(self, p: PrefillInstance, r: Request, blocks: tuple[int, ...]) -> None:
         r.kv_ready = self.loop.now
         if r.ended:
-            p.pool.give(blocks)
+            if r.increments:  # the producer holds the source: it ends where it is
+                p.producer.abort(self.loop.now, r.tid)
+                self.touch_p(p)
+            else:
+                p.pool.give(blocks)
             return
         self.ledger.release_prefill(p.index, self.model.blocks(r.input_tokens))  # P answered
         p.producer.kv_ready(self.loop.now, r.tid, (blocks,))
@@ -274,10 +307,11 @@ class Fleet:
             return
         outs = p.producer.drain()
         while outs:
-            writes: dict[tuple[str, int], list[StartWrite]] = {}
+            writes: dict[tuple[str, int, tuple[int, ...], int], list[StartWrite]] = {}
             for out in outs:
-                if isinstance(out, StartWrite):
-                    writes.setdefault((out.transfer_id, out.epoch), []).append(out)
+                if isinstance(out, StartWrite):  # the ranks of one write move together
+                    key = (out.transfer_id, out.epoch, out.first, len(out.src_blocks[0]))
+                    writes.setdefault(key, []).append(out)
                 else:
                     self._route_p(p, out)
             for ops in writes.values():
@@ -358,9 +392,10 @@ class Fleet:
 
     def _ready(self, d: DecodeInstance, out: Ready) -> None:
         key = (out.transfer_id, out.epoch)
-        routes = self.landed.pop(key, 0)
-        if routes < self._expected_routes():
-            self.count("stale_pairings")  # ready, but this epoch's KV never landed
+        landed = self.landed.pop(key, {})
+        routes = self._expected_routes()
+        if any(landed.get(b, 0) < routes for b in out.blocks[0]):
+            self.count("stale_pairings")  # ready, but some of this epoch's KV never landed
         r = d.requests.get(out.transfer_id)
         if r is None or r.epoch != out.epoch or r.ended:
             self.count("ready_orphan")
@@ -380,9 +415,12 @@ class Fleet:
         """The bytes of ``op`` (all its routes) are in ``d``'s memory now."""
         key = (op.transfer_id, op.epoch)
         owner = self.owner[d.index]
-        if any(owner.get(b) != key for b in op.dst_blocks[0]):
+        blocks = _moved(op)[1]
+        if any(owner.get(b) != key for b in blocks):
             self.count("corrupt_writes")  # landed in blocks someone else owns
-        self.landed[key] = self.landed.get(key, 0) + nroutes
+        landed = self.landed.setdefault(key, {})
+        for b in blocks:
+            landed[b] = landed.get(b, 0) + nroutes
 
     # --- the data plane: writes (push) and reads (pull) -----------------------------------
 
@@ -392,8 +430,9 @@ class Fleet:
         r = d.requests.get(op.transfer_id)
         if r is not None and r.prep_start < 0:
             r.prep_start = self.loop.now
-        src, dst = op.src_blocks[0], op.dst_blocks[0]
+        src, dst = _moved(op)
         ndesc = self.descriptors(src, dst, self.s.control.merge_push)
+        self.count("write_posts")
         producer = p.producer
         p.thread.run(self, self.prep_s(ndesc), lambda: self._post(p, producer, d, ops, ndesc))
 
@@ -422,7 +461,7 @@ class Fleet:
             if p.alive and p.producer is producer:
                 self._writes_settled(p, ops, ok, "link failed")
 
-        work = self.flow_work(len(op.src_blocks[0]), ndesc)
+        work = self.flow_work(len(_moved(op)[0]), ndesc)
         self.links.start(work, p.nic, d.nic, done, self.op_bound)
 
     def _writes_settled(

@@ -103,6 +103,16 @@ class PrefillInstance:
             seconds = fleet.prefill_s(r.input_tokens)
             self.busy_s += seconds
             fleet.loop.after(seconds, functools.partial(self._done, r, blocks))
+            if fleet.progressive:  # each chunk's whole blocks, as they are computed
+                bt = fleet.model.block_tokens
+                for tokens, at in fleet.prefill_chunks(r.input_tokens)[:-1]:
+                    part = blocks[: tokens // bt]
+                    if part:
+                        fleet.loop.after(at, functools.partial(self._chunk, r, part))
+
+    def _chunk(self, r: Request, part: tuple[int, ...]) -> None:
+        if self.current is r:  # else the instance died meanwhile
+            self.fleet.prefill_chunk(self, r, part)
 
     def _done(self, r: Request, blocks: tuple[int, ...]) -> None:
         if self.current is not r:  # the instance died meanwhile

@@ -59,11 +59,13 @@ class Model:
         """Dense matmuls (2 * params per new token) plus causal attention of
         the new tokens (QK^T and PV: 2 * L * q_heads * head_dim per query-key
         pair); the first ``cached`` fraction of the prompt is a prefix-cache hit."""
-        hit = int(tokens * cached)
-        dense = 2.0 * self.params_b * 1e9 * (tokens - hit)
-        pairs = (tokens * tokens - hit * hit) / 2
-        attn = 4.0 * self.layers * pairs * self.q_heads * self.head_dim
-        return dense + attn
+        return self.span_flops(int(tokens * cached), tokens)
+
+    def span_flops(self, start: int, end: int) -> float:
+        """The FLOPs of computing tokens ``start..end`` with ``0..start`` in cache."""
+        dense = 2.0 * self.params_b * 1e9 * (end - start)
+        pairs = (end * end - start * start) / 2
+        return dense + 4.0 * self.layers * pairs * self.q_heads * self.head_dim
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
@@ -90,9 +92,26 @@ class Hardware:
     wire_op_us: float
 
     def prefill_s(self, model: Model, tokens: int) -> float:
+        return self.prefill_chunks(model, tokens, tokens)[-1][1]
+
+    def prefill_chunks(
+        self, model: Model, tokens: int, chunk: int
+    ) -> list[tuple[int, float]]:
+        """(tokens computed, seconds since the prefill began) at the end of each
+        chunk of ``chunk`` tokens: the cached prefix first (free), then the rest
+        in chunks, the fixed cost paid once before the first. The last entry is
+        the whole prefill, whatever ``chunk`` is."""
         rate = self.tp * self.peak_tflops * 1e12 * self.prefill_mfu
-        flops = model.prefill_flops(tokens, self.prefill_cached_fraction)
-        return self.prefill_fixed_ms / 1e3 + flops / rate
+        start = int(tokens * self.prefill_cached_fraction)
+        out: list[tuple[int, float]] = []
+        t = self.prefill_fixed_ms / 1e3
+        while True:
+            end = min(tokens, start + chunk)
+            t += model.span_flops(start, end) / rate
+            out.append((end, t))
+            if end >= tokens:
+                return out
+            start = end
 
     def step_s(self, model: Model, batch: int, context_tokens: int) -> float:
         """One decode step: fixed cost (weights read, collectives, launch),
@@ -127,6 +146,8 @@ class Control:
     frontend_ms: float
     control_latency_ms: float
     tokenize_us_per_token: float
+    #: Progressive push: the prefill's chunk (tokens per ``kv_ready(final=False)``).
+    chunk_tokens: int = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +304,8 @@ def check_scenario(s: Scenario) -> None:
         raise ScenarioError("fleet.output_tokens must be >= 1")
     if s.model.block_tokens < 1 or s.hardware.tp < 1 or s.model.kv_heads % s.hardware.tp:
         raise ScenarioError("block_tokens and tp must be >= 1 and tp must divide kv_heads")
+    if s.control.chunk_tokens < 1:
+        raise ScenarioError("control.chunk_tokens must be >= 1")
     if not 0 <= s.hardware.prefill_cached_fraction < 1:
         raise ScenarioError("hardware.prefill_cached_fraction must lie in [0, 1)")
     if (

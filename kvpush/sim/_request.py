@@ -34,6 +34,8 @@ class Request:
     finished: float = -1.0
     start_step: int = 0
     preemptions: int = 0
+    #: Progressive: ``kv_ready(final=False)`` calls made for it.
+    increments: int = 0
     failed: str = ""
     ended: bool = False
 
