@@ -113,6 +113,37 @@ def test_demo_hands_off_and_checks_every_block(
     _assert_clean(*_run_info(stderr))
 
 
+@pytest.mark.parametrize("transport", [pytest.param("nixl", marks=pytest.mark.nixl), "memory"])
+@pytest.mark.parametrize(("tp_prefill", "tp_decode"), [(2, 1), (1, 2)])
+def test_progressive_push_writes_before_the_prompt_is_done(
+    transport: str, tp_prefill: int, tp_decode: int
+) -> None:
+    # 200 tokens in chunks of 40: a block is often half computed at a chunk's
+    # end (it goes in a later increment); the pattern of every block of every
+    # increment is checked at the decode.
+    n = 6
+    common = (
+        "--tp-prefill", str(tp_prefill), "--tp-decode", str(tp_decode), "--requests", str(n),
+        "--qps", "0", "--prompt-tokens", "200", "--seed", "5", "--transport", transport,
+        "--compute-us-per-token", "200",
+    )  # fmt: skip
+    out, stderr = _demo("--progressive", "--chunk-tokens", "40", *common)
+    assert out["progressive"] is True and out["mode"] == "push"
+    assert out["completed"] == n and out["failed"] == 0
+    assert out["corrupt_blocks"] == 0 and out["leaked_blocks"] == 0
+    assert out["written_before_kv_ready"] == n
+    assert out["bytes"] == n * math.ceil(200 / 16) * MODELS["small"].block_bytes
+    _assert_clean(*_run_info(stderr))
+    one_shot, _ = _demo(*common)
+    assert one_shot["progressive"] is False and one_shot["written_before_kv_ready"] == 0
+
+
+def test_progressive_pull_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--json", "--progressive", "--mode", "pull"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert "--progressive needs --mode push" in out["error"]
+
+
 @pytest.mark.parametrize(
     ("transport", "mode"),
     [pytest.param("nixl", "push", marks=pytest.mark.nixl), ("memory", "pull")],

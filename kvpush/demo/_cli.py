@@ -155,6 +155,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulated prefill time per prompt token, microseconds (default: %(default)s)",
     )
     add(
+        "--progressive",
+        action="store_true",
+        help="progressive push: the prefill computes the prompt in chunks of "
+        "--chunk-tokens and hands each chunk's whole blocks to the core, which writes "
+        "them while the rest is computed; the last chunk commits (push only)",
+    )
+    add(
+        "--chunk-tokens",
+        type=_positive_int,
+        default=128,
+        help="the prefill's chunk with --progressive, tokens (default: %(default)s)",
+    )
+    add(
         "--max-memory-mib",
         type=_positive_int,
         default=DEFAULT_MAX_MEMORY_MIB,
@@ -264,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         model=args.model,
         compute_us_per_token=args.compute_us_per_token,
+        chunk_tokens=args.chunk_tokens if args.progressive else 0,
         max_memory_mib=args.max_memory_mib,
         timeout=args.timeout,
         metrics_port=args.metrics_port,

@@ -104,14 +104,31 @@ class PrefillLeader(Leader):
             self.runtime.abort(msg.transfer_id)
 
     async def _compute(self, tid: str, tokens: int, blocks: list[int]) -> None:
-        """The "forward pass": the prompt's time, then the KV on every rank."""
+        """The "forward pass": the prompt's time, then the KV on every rank.
+        Progressive (``chunk_tokens``): chunk by chunk, each chunk's whole
+        blocks handed to the core as an increment once every rank wrote them."""
+        chunk = self.spec.chunk_tokens or tokens
+        per_block = self.spec.geometry.model.tokens_per_block
+        seed, done, given = self.request_seed(tid), 0, 0
         try:
-            await anyio.sleep(tokens * self.spec.compute_us_per_token * 1e-6)
-            await self.on_ranks(Fill(tuple(blocks), self.request_seed(tid)))
+            while done < tokens and tid not in self.aborted:
+                step = min(chunk, tokens - done)
+                await anyio.sleep(step * self.spec.compute_us_per_token * 1e-6)
+                first, done = done // per_block, done + step
+                end = -(-done // per_block)  # the chunk's blocks, the last maybe partly
+                await self.on_ranks(Fill(tuple(blocks[first:end]), seed, first))
+                whole = done // per_block
+                if done < tokens and whole > given and self.runtime is not None:
+                    self.blocks[tid] = blocks
+                    self.runtime.kv_ready(tid, [blocks[:whole]], final=False)
+                    given = whole
         finally:
             self.computing.discard(tid)
         if tid in self.aborted or self.runtime is None:
             self.aborted.discard(tid)
+            if given and self.runtime is not None:
+                self.runtime.abort(tid)  # the core holds the source: SourceReleased frees it
+                return
             self.pool.give(blocks)
             self.send(ProducerResult(tid, "aborted", None, None, None, None))
             return

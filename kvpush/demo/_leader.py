@@ -91,6 +91,8 @@ class LeaderSpec:
     transport: str = "memory"
     #: The endpoint's timing bounds; its channel's ``max_age`` is derived from them.
     timing: Timing = field(default_factory=Timing)
+    #: Prefill: progressive push in chunks of this many tokens (0: one kv_ready).
+    chunk_tokens: int = 0
 
 
 def leader_channel(spec: LeaderSpec, codec: Codec) -> ControlChannel:

@@ -51,14 +51,14 @@ def _mix(x: U64) -> U64:
     return out
 
 
-def _expected(region: Region, nblocks: int, seed: int) -> U64:
-    """The cells of blocks 0 .. nblocks-1 of a request in ``region``, as
+def _expected(region: Region, nblocks: int, seed: int, start: int = 0) -> U64:
+    """The cells of blocks start .. start+nblocks-1 of a request in ``region``, as
     ``(nblocks, heads, tokens, head_bytes // 8)`` little-endian words."""
     if region.head_bytes % 8:
         raise ValueError("the demo's pattern needs head_bytes to be a multiple of 8")
     kind = sum(region.kind.encode())
     base = _mix_int(seed ^ _mix_int(region.layer * 1_000_003 + kind))
-    i = np.arange(nblocks, dtype=np.uint64)[:, None, None]
+    i = np.arange(start, start + nblocks, dtype=np.uint64)[:, None, None]
     h = np.arange(region.head_start, region.head_start + region.num_heads, dtype=np.uint64)
     t = np.arange(region.tokens_per_block, dtype=np.uint64)[None, None, :]
     x = np.uint64(base) + i * np.uint64(_BLOCK) + h[None, :, None] * np.uint64(_HEAD)
@@ -80,11 +80,11 @@ def _view(memory: U8, region: Region) -> U8:
     return cells
 
 
-def fill(memory: U8, layout: KVLayout, blocks: Sequence[int], seed: int) -> None:
-    """Write the request's KV: its ``i``-th block is ``blocks[i]``."""
+def fill(memory: U8, layout: KVLayout, blocks: Sequence[int], seed: int, start: int = 0) -> None:
+    """Write the request's KV: its ``start + i``-th block is ``blocks[i]``."""
     ids = np.asarray(blocks, dtype=np.intp)
     for region in layout.regions:
-        _view(memory, region)[ids] = _expected(region, len(ids), seed).view(np.uint8)
+        _view(memory, region)[ids] = _expected(region, len(ids), seed, start).view(np.uint8)
 
 
 def corrupt_blocks(memory: U8, layout: KVLayout, blocks: Sequence[int], seed: int) -> set[int]:

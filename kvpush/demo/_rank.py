@@ -73,7 +73,7 @@ def rank_main(spec: RankSpec, work: Connection, conn: Connection) -> None:
             try:
                 msg = work.recv()
                 if isinstance(msg, Fill):
-                    fill(memory, layout, msg.blocks, msg.seed)
+                    fill(memory, layout, msg.blocks, msg.seed, msg.start)
                     work.send(RankReply())
                 elif isinstance(msg, Check):
                     bad = corrupt_blocks(memory, layout, msg.blocks, msg.seed)

@@ -176,6 +176,17 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
     instances, pairs = _instances(result, ok)
     return {
         "mode": cfg.mode.value,
+        "progressive": cfg.chunk_tokens > 0,
+        # Progressive push: requests whose first write started before the
+        # prompt was done (0 in one-shot push, where writes wait for kv_ready).
+        "written_before_kv_ready": sum(
+            1
+            for r in ok
+            if r.producer
+            and r.producer.write_started is not None
+            and r.producer.kv_ready is not None
+            and r.producer.write_started < r.producer.kv_ready
+        ),
         "transport": cfg.transport,
         "model": model.name,
         "kv_bytes_per_token": model.token_bytes,

@@ -94,6 +94,9 @@ class DemoConfig:
     seed: int = 0
     model: str = "small"
     compute_us_per_token: float = 20.0
+    #: Progressive push: the prefill hands each chunk of this many tokens to
+    #: the core as an increment (0: one kv_ready when the prompt is done).
+    chunk_tokens: int = 0
     max_memory_mib: int = 512
     #: Abort when no request settles for this many seconds.
     timeout: float = 60.0
@@ -180,6 +183,13 @@ class DemoRouter:
             raise DemoError("--qps must be a finite number >= 0 (0: as fast as blocks allow)")
         if cfg.compute_us_per_token < 0 or not math.isfinite(cfg.compute_us_per_token):
             raise DemoError("--compute-us-per-token must be a finite number >= 0")
+        if type(cfg.chunk_tokens) is not int or cfg.chunk_tokens < 0:
+            raise DemoError("--chunk-tokens must be a whole number of tokens >= 0")
+        if cfg.chunk_tokens and cfg.mode is not Mode.PUSH:
+            raise DemoError(
+                "--progressive needs --mode push: a pull epoch is lent only the whole "
+                "source, so there is nothing to stream"
+            )
         if not cfg.timeout > 0 or not math.isfinite(cfg.timeout):
             raise DemoError("--timeout must be a positive number of seconds")
         self.cfg = cfg
@@ -251,6 +261,7 @@ class DemoRouter:
                 rank_timeout=cfg.timeout,
                 metrics_port=self._metrics_port(inst),
                 transport=cfg.transport,
+                chunk_tokens=cfg.chunk_tokens,
             )
             args = (spec_, leader_ends[inst])
             inst.leader = children.start(f"{inst.name} leader", leader_main, args, leader=True)

@@ -73,10 +73,12 @@ class Stop:
 
 @dataclass(frozen=True, slots=True)
 class Fill:
-    """Prefill rank: write the pattern of request ``seed`` into ``blocks``."""
+    """Prefill rank: write the pattern of request ``seed`` into ``blocks``
+    (the request's blocks from its ``start``-th on)."""
 
     blocks: tuple[int, ...]
     seed: int
+    start: int = 0
 
 
 @dataclass(frozen=True, slots=True)
