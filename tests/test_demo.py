@@ -126,6 +126,7 @@ def test_progressive_push_writes_before_the_prompt_is_done(
         "--tp-prefill", str(tp_prefill), "--tp-decode", str(tp_decode), "--requests", str(n),
         "--qps", "0", "--prompt-tokens", "200", "--seed", "5", "--transport", transport,
         "--compute-us-per-token", "200",
+        *(("--link-gbps", "5") if transport == "memory" else ()),
     )  # fmt: skip
     out, stderr = _demo("--progressive", "--chunk-tokens", "40", *common)
     assert out["progressive"] is True and out["mode"] == "push"
@@ -138,10 +139,20 @@ def test_progressive_push_writes_before_the_prompt_is_done(
     assert one_shot["progressive"] is False and one_shot["written_before_kv_ready"] == 0
 
 
-def test_progressive_pull_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--json", "--progressive", "--mode", "pull"]) == 2
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--progressive", "--mode", "pull"], "--progressive needs --mode push"),
+        (["--link-gbps", "10", "--transport", "nixl"], "--link-gbps needs --transport memory"),
+        (["--link-gbps", "0", "--transport", "memory"], "--link-gbps must be a positive"),
+    ],
+)
+def test_progressive_and_link_misuse_is_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--json", *argv]) == 2
     out = json.loads(capsys.readouterr().out)
-    assert "--progressive needs --mode push" in out["error"]
+    assert message in out["error"]
 
 
 @pytest.mark.parametrize(

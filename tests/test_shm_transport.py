@@ -18,6 +18,7 @@ import pytest
 from kvpush.protocol import (
     Codec,
     Completion,
+    ConfigError,
     HeadSlice,
     KVLayout,
     MemoryType,
@@ -291,6 +292,40 @@ def test_remove_peer_then_add_again(make: Make) -> None:
     a.add_peer(b.metadata())
     a.write("b", one, one, b"3")
     assert b.poll()[1] == [Notice("a", b"3")]  # a new mailbox, sequence from 1
+
+
+def test_a_rate_limited_link_delivers_in_order_after_the_wire_time(make: Make) -> None:
+    # 1 MB at 0.08 Gb/s (10 MB/s) is 100 ms on the wire; a read behind it waits too.
+    a, b = make("a", size=4 << 20, link_gbps=0.08), make("b", size=4 << 20)
+    connect(a, b)
+    n = 1_000_000
+    a.memory[:n] = 7
+    b.memory[2 * n : 2 * n + 10] = 3
+    started = time.monotonic()
+    w = a.write("b", rows((0, n, 0)), rows((n, n, 0)), b"w")
+    r = a.read("b", rows((3 * n, 10, 0)), rows((2 * n, 10, 0)))
+    assert a.poll() == ([], []) and b.poll() == ([], [])  # nothing crossed yet
+    assert not b.memory[n : 2 * n].any()
+    done: list[Completed] = []
+    while len(done) < 2 and time.monotonic() - started < 10:
+        done += a.poll()[0]
+        time.sleep(0.005)
+    assert time.monotonic() - started >= 0.1  # the wire time of 1 MB at 10 MB/s
+    assert done == [Completed(w), Completed(r)]
+    assert (b.memory[n : 2 * n] == 7).all() and (a.memory[3 * n : 3 * n + 10] == 3).all()
+    assert b.poll() == ([], [Notice("a", b"w")])
+
+
+def test_a_rate_limited_op_fails_when_its_peer_goes(make: Make) -> None:
+    a, b = make("a", link_gbps=1e-6), make("b")
+    connect(a, b)
+    h = a.write("b", rows((0, 8, 0)), rows((0, 8, 0)), b"1")
+    a.remove_peer("b")
+    assert a.poll() == ([Completed(h, "peer 'b' was removed")], [])
+    assert b.poll() == ([], [])  # neither the bytes nor the notice went
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "10"):
+        with pytest.raises(ConfigError, match="link_gbps"):
+            make("c", link_gbps=bad)
 
 
 def test_mailbox_full_refuses_before_copying(make: Make) -> None:

@@ -168,6 +168,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the prefill's chunk with --progressive, tokens (default: %(default)s)",
     )
     add(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="with --transport memory: model each rank's link at this rate, Gb/s, so "
+        "that the wire takes time (default: memory speed)",
+    )
+    add(
         "--max-memory-mib",
         type=_positive_int,
         default=DEFAULT_MAX_MEMORY_MIB,
@@ -278,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         compute_us_per_token=args.compute_us_per_token,
         chunk_tokens=args.chunk_tokens if args.progressive else 0,
+        link_gbps=args.link_gbps,
         max_memory_mib=args.max_memory_mib,
         timeout=args.timeout,
         metrics_port=args.metrics_port,

@@ -93,6 +93,8 @@ class LeaderSpec:
     timing: Timing = field(default_factory=Timing)
     #: Prefill: progressive push in chunks of this many tokens (0: one kv_ready).
     chunk_tokens: int = 0
+    #: Memory transport: each rank's link modelled at this rate (None: memory speed).
+    link_gbps: float | None = None
 
 
 def leader_channel(spec: LeaderSpec, codec: Codec) -> ControlChannel:
@@ -341,7 +343,12 @@ class Leader:
         t: Transport
         if self.spec.transport == "memory":
             shm = ShmTransport(
-                name, geo.segment_bytes, create=False, name=segment, mailbox_bytes=_MAILBOX_BYTES
+                name,
+                geo.segment_bytes,
+                create=False,
+                name=segment,
+                mailbox_bytes=_MAILBOX_BYTES,
+                link_gbps=self.spec.link_gbps,
             )
             stack.callback(shm.close)
             memory, t = shm.memory, shm

@@ -97,6 +97,8 @@ class DemoConfig:
     #: Progressive push: the prefill hands each chunk of this many tokens to
     #: the core as an increment (0: one kv_ready when the prompt is done).
     chunk_tokens: int = 0
+    #: ``--transport memory``: each rank's link at this many Gb/s (None: memory speed).
+    link_gbps: float | None = None
     max_memory_mib: int = 512
     #: Abort when no request settles for this many seconds.
     timeout: float = 60.0
@@ -190,6 +192,14 @@ class DemoRouter:
                 "--progressive needs --mode push: a pull epoch is lent only the whole "
                 "source, so there is nothing to stream"
             )
+        if cfg.link_gbps is not None:
+            if not (math.isfinite(cfg.link_gbps) and cfg.link_gbps > 0):
+                raise DemoError("--link-gbps must be a positive number of Gb/s")
+            if cfg.transport != "memory":
+                raise DemoError(
+                    "--link-gbps needs --transport memory (NIXL moves at the rate of its "
+                    "own fabric; on loopback, memory speed)"
+                )
         if not cfg.timeout > 0 or not math.isfinite(cfg.timeout):
             raise DemoError("--timeout must be a positive number of seconds")
         self.cfg = cfg
@@ -262,6 +272,7 @@ class DemoRouter:
                 metrics_port=self._metrics_port(inst),
                 transport=cfg.transport,
                 chunk_tokens=cfg.chunk_tokens,
+                link_gbps=cfg.link_gbps,
             )
             args = (spec_, leader_ends[inst])
             inst.leader = children.start(f"{inst.name} leader", leader_main, args, leader=True)

@@ -34,7 +34,10 @@ the constructor is a :class:`~kvpush.protocol.ConfigError`.
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
+import time
+from collections import deque
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -126,6 +129,17 @@ class _Peer:
     inbox: RingReader | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Op:
+    """A rate-limited op waiting for its turn: a write (``notice`` bytes, its
+    mailbox record ``need`` bytes) or a read (``notice`` None)."""
+
+    local: Descriptors
+    remote: Descriptors
+    notice: bytes | None
+    need: int
+
+
 class ShmTransport:
     """One rank's data plane over POSIX shared memory (see the module docs).
 
@@ -135,6 +149,11 @@ class ShmTransport:
     rank process owns), and never unlinks it. ``verify`` turns on the CRC
     check of every write, on both ends (it costs a CRC pass over the bytes on
     each side); ``mailbox_bytes`` sizes each outgoing mailbox.
+
+    ``link_gbps`` models a link of that rate: every write and read takes its
+    turn on it (FIFO, one at a time), and its bytes are copied, its notice
+    posted and its completion reported only at the first :meth:`poll` after
+    its wire time has passed (``None``: copied at once, as fast as memory).
 
     Not thread-safe: the runtime calls it from one thread. :meth:`close`
     releases everything (also on ``with`` exit).
@@ -147,10 +166,13 @@ class ShmTransport:
         "_failure",
         "_instance",
         "_layout",
+        "_link_free",
         "_mailbox_bytes",
         "_next_handle",
         "_peers",
         "_posted",
+        "_queued",
+        "_rate",
         "_ring_prefix",
         "_segment",
         "_verify",
@@ -165,7 +187,14 @@ class ShmTransport:
         name: str | None = None,
         verify: bool = False,
         mailbox_bytes: int = DEFAULT_MAILBOX_BYTES,
+        link_gbps: float | None = None,
     ) -> None:
+        if link_gbps is not None and (
+            isinstance(link_gbps, bool)
+            or not isinstance(link_gbps, (int, float))
+            or not (math.isfinite(link_gbps) and link_gbps > 0)
+        ):
+            raise ConfigError(f"link_gbps must be a positive number or None, got {link_gbps!r}")
         if type(agent) is not str or not 1 <= len(agent.encode()) <= MAX_ID_LEN:
             raise ConfigError(f"agent must be a non-empty str of at most {MAX_ID_LEN} bytes")
         if type(size) is not int or not 1 <= size < 1 << 62:
@@ -193,6 +222,10 @@ class ShmTransport:
         self._layout: KVLayout | None = None
         self._closed = False
         self._failure: str | None = None
+        self._rate = None if link_gbps is None else link_gbps * 1e9 / 8  # bytes/s
+        self._link_free = 0.0
+        #: Rate-limited ops not yet on the far side: (due, handle, agent, op).
+        self._queued: deque[tuple[float, int, str, _Op]] = deque()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "failed" if self._failure else "open"
@@ -332,21 +365,55 @@ class ShmTransport:
                 f"a notice with {d.shape[0]} verification rows needs {need} bytes, more than "
                 f"the {outbox.capacity}-byte mailbox: raise mailbox_bytes or turn verify off"
             )
+        if self._rate is not None:
+            return self._queue(agent, _Op(s, d, bytes(notice), need))
         if need > outbox.free():
             raise TransportError(f"mailbox full to {agent!r} (the target must poll; retry)")
+        self._write_now(peer, s, d, bytes(notice))
+        return self._post(agent)
+
+    def _write_now(self, peer: _Peer, s: Descriptors, d: Descriptors, notice: bytes) -> None:
         local = self._segment.array
         copy_rows(peer.segment.array, d, local, s)
         crc = crc_rows(local, s.tolist()) if self._verify else None
-        outbox.append(bytes(notice), crc, d if self._verify else None)
-        return self._post(agent)
+        peer.outbox.append(notice, crc, d if self._verify else None)
 
     def read(self, agent: str, local: Descriptors, remote: Descriptors) -> int:
         """Copy ``agent``'s ``remote`` rows into local ``local`` rows (no notice)."""
         self._check_usable()
         peer = self._peer(agent)
         l_rows, r_rows = self._pair(local, remote, self._segment, peer.segment)
+        if self._rate is not None:
+            return self._queue(agent, _Op(l_rows, r_rows, None, 0))
         copy_rows(self._segment.array, l_rows, peer.segment.array, r_rows)
         return self._post(agent)
+
+    def _queue(self, agent: str, op: _Op) -> int:
+        """Put ``op`` on the modelled link; :meth:`_deliver` carries it out when due."""
+        assert self._rate is not None
+        nbytes = int(op.local[:, 1].sum()) if op.local.shape[0] else 0
+        due = max(time.monotonic(), self._link_free) + nbytes / self._rate
+        self._link_free = due
+        handle = self._next_handle
+        self._next_handle += 1
+        self._queued.append((due, handle, agent, op))
+        return handle
+
+    def _deliver(self) -> None:
+        """Carry out the queued ops whose wire time has passed, in order. A full
+        mailbox holds the op (and the ones behind it) until the target polls."""
+        now = time.monotonic()
+        while self._queued and self._queued[0][0] <= now:
+            _, handle, agent, op = self._queued[0]
+            peer = self._peers[agent]
+            if op.notice is None:
+                copy_rows(self._segment.array, op.local, peer.segment.array, op.remote)
+            elif op.need > peer.outbox.free():
+                return
+            else:
+                self._write_now(peer, op.local, op.remote, op.notice)
+            self._queued.popleft()
+            self._posted[handle] = agent
 
     def poll(self) -> tuple[list[Completed], list[Notice]]:
         """Settled transfers (in handle order) and the notices that arrived.
@@ -354,6 +421,7 @@ class ShmTransport:
         if a mailbox is corrupt, loses or reorders a notice, or, with
         ``verify``, a notice arrived before its data."""
         self._check_usable()
+        self._deliver()
         notices: list[Notice] = []
         memory = self._segment.array
         for peer in list(self._peers.values()):
@@ -440,6 +508,9 @@ class ShmTransport:
         for handle in [h for h, a in self._posted.items() if a == agent]:
             del self._posted[handle]
             self._failed.append(Completed(handle, reason))
+        for item in [q for q in self._queued if q[2] == agent]:
+            self._queued.remove(item)
+            self._failed.append(Completed(item[1], reason))
         peer.outbox.close()
         if peer.inbox is not None:
             peer.inbox.close()
