@@ -60,7 +60,8 @@ E2E = HERE.parent / "tests" / "e2e"
 sys.path[:0] = [str(E2E), str(HERE)]
 
 import vllm_breakdown  # noqa: E402
-from cluster import free_port, wait_healthy  # noqa: E402
+import vllm_steps  # noqa: E402
+from cluster import free_port, metrics, wait_healthy  # noqa: E402
 from e2e_lib import MAX_MODEL_LEN, MODEL_NAME, Engine, engine, router  # noqa: E402
 
 from kvpush_vllm._contract import NIXL_PREFILL_LEG  # noqa: E402
@@ -77,6 +78,9 @@ LIMITS = {"request": 120.0}
 NIXL_CLASS = {"nixl-pull": "NixlConnector", "nixl-push": "NixlPushConnector"}
 #: The kvpush prefill's, decode's and router's breakdown lines (in the log dir).
 TIMELINES = ("timeline-prefill.jsonl", "timeline-decode.jsonl", "timeline-router.jsonl")
+#: The kvpush engines' per-step connector profiles (``step_profile_file``).
+STEPS = ("steps-prefill.jsonl", "steps-decode.jsonl")
+LOADS = ("poisson", "burst")
 
 
 def log(msg: str) -> None:
@@ -173,7 +177,8 @@ def _nixl_engine(
 def build_modes(
     names: Sequence[str], model: Path, logs: Path, bs: int, idle_wait: float = 0.01
 ) -> dict[str, Mode]:
-    common = ["--no-enable-prefix-caching"]
+    buckets = json.dumps({"inter_token_latency": vllm_steps.ITL_BUCKETS})
+    common = ["--no-enable-prefix-caching", "--custom-histogram-buckets", buckets]
     modes: dict[str, Mode] = {}
     if "plain" in names:
         e = engine("plain", model, logs, bind="0", block_size=bs, args=common)
@@ -188,7 +193,10 @@ def build_modes(
             role="prefill",
             args=common,
             kv={"kv_load_failure_policy": "fail"},
-            extra={"timeline_file": str(logs / TIMELINES[0])},
+            extra={
+                "timeline_file": str(logs / TIMELINES[0]),
+                "step_profile_file": str(logs / STEPS[0]),
+            },
         )
         d = engine(
             "kvpush-d",
@@ -199,7 +207,11 @@ def build_modes(
             role="decode",
             args=common,
             kv={"kv_load_failure_policy": "fail"},
-            extra={"timeline_file": str(logs / TIMELINES[1]), "idle_wait": idle_wait},
+            extra={
+                "timeline_file": str(logs / TIMELINES[1]),
+                "step_profile_file": str(logs / STEPS[1]),
+                "idle_wait": idle_wait,
+            },
         )
         r = router("kvpush-router", logs, p, d, args=["--timeline-file", str(logs / TIMELINES[2])])
         for n in ("kvpush-push", "kvpush-pull"):
@@ -562,13 +574,25 @@ def _safe(f: Callable[[], Any]) -> Any:
         return repr(exc)
 
 
-def batch(mode: Mode, prompts: Sequence[list[int]], n_out: int, qps: float) -> list[Result]:
+def arrivals(n: int, qps: float, rng: random.Random) -> list[float]:
+    """Offsets (s) of ``n`` Poisson arrivals at ``qps`` (0: all at once)."""
+    if qps <= 0:
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(qps)
+    return out
+
+
+def batch(
+    mode: Mode, prompts: Sequence[list[int]], n_out: int, offsets: Sequence[float]
+) -> list[Result]:
     out: list[Result | None] = [None] * len(prompts)
     t0 = time.monotonic()
 
     def one(i: int) -> None:
-        if qps > 0:
-            time.sleep(max(0.0, t0 + i / qps - time.monotonic()))
+        time.sleep(max(0.0, t0 + offsets[i] - time.monotonic()))
         out[i] = send(mode, prompts[i], n_out)
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
@@ -602,11 +626,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=16, help="requests per mode per round")
+    ap.add_argument("--requests", type=int, default=16, help="requests per mode per load per round")
     ap.add_argument("--min-prompt-tokens", type=int, default=200)
     ap.add_argument("--max-prompt-tokens", type=int, default=1000)
-    ap.add_argument("--output-tokens", type=int, default=16)
-    ap.add_argument("--qps", type=float, default=0.0, help="0: a round's requests all at once")
+    ap.add_argument("--output-tokens", type=int, default=24)
+    ap.add_argument(
+        "--loads",
+        default=",".join(LOADS),
+        help="poisson: arrivals at --qps; burst: a round's requests all at once",
+    )
+    ap.add_argument("--qps", type=float, default=2.0, help="the Poisson load's rate")
     ap.add_argument("--modes", default=",".join(MODES), help=f"a subset of {','.join(MODES)}")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
@@ -629,6 +658,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [m for m in names if m not in MODES]
     if bad:
         ap.error(f"unknown modes {bad}; known: {list(MODES)}")
+    loads = [x.strip() for x in args.loads.split(",") if x.strip()]
+    if not loads or any(x not in LOADS for x in loads):
+        ap.error(f"--loads must name some of {list(LOADS)}")
+    if "poisson" in loads and args.qps <= 0:
+        ap.error("--qps must be > 0 for the poisson load")
     if args.max_prompt_tokens + args.output_tokens > MAX_MODEL_LEN:
         ap.error(f"max prompt + output tokens must be <= {MAX_MODEL_LEN} (the model's length)")
     if "plain" not in names:
@@ -644,6 +678,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = build_modes(names, model, logs, args.block_size, args.idle_wait)
     t_start = time.monotonic()
     waiting: dict[str, Any] | None = None
+    #: (load, mode) -> results and the token engine's inter-token latencies.
+    results: dict[tuple[str, str], list[tuple[int, int, Result]]] = {}
+    itl: dict[tuple[str, str], dict[str, Any]] = {}
+    reference: dict[tuple[str, int, int], list[int] | None] = {}
+    pinned: dict[str, dict[str, int]] = {}
+    meter: CpuMeter | None = None
+    startup = 0.0
     try:
         start(modes, args.startup_timeout)
         startup = time.monotonic() - t_start
@@ -669,28 +710,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         pinned = {e.name: affinity(e) for e in engines}
         with meter.window("idle"):
             time.sleep(args.idle_seconds)
-        results: dict[str, list[tuple[int, int, Result]]] = {m.name: [] for m in live}
-        reference: dict[tuple[int, int], list[int] | None] = {}
         for rnd in range(args.rounds):
             rng = random.Random(args.seed * 1000 + rnd)
-            lengths = [
-                rng.randint(args.min_prompt_tokens, args.max_prompt_tokens)
-                for _ in range(args.requests)
-            ]
-            ps = [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
-            order = live[rnd % len(live) :] + live[: rnd % len(live)]
-            for m in order:
-                with meter.window(f"load:{m.name}"):
-                    t = time.monotonic()
-                    rs = batch(m, ps, args.output_tokens, args.qps)
-                    took = time.monotonic() - t
-                fails = sum(not r.ok for r in rs)
-                log(f"round {rnd} {m.name}: {len(rs)} in {took:.1f} s, {fails} failed")
-                for i, r in enumerate(rs):
-                    results[m.name].append((rnd, i, r))
-                    if m.name == "plain":
-                        reference[(rnd, i)] = r.token_ids if r.ok else None
-                time.sleep(1.0)
+            for load in loads:
+                lengths = [
+                    rng.randint(args.min_prompt_tokens, args.max_prompt_tokens)
+                    for _ in range(args.requests)
+                ]
+                ps = [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+                offsets = arrivals(args.requests, args.qps if load == "poisson" else 0.0, rng)
+                order = live[rnd % len(live) :] + live[: rnd % len(live)]
+                for m in order:
+                    token_engine = m.decode or m.engines[0]
+                    before = vllm_steps.histogram(metrics(token_engine.url))
+                    with meter.window(f"load:{load}:{m.name}"):
+                        t = time.monotonic()
+                        rs = batch(m, ps, args.output_tokens, offsets)
+                        took = time.monotonic() - t
+                    after = vllm_steps.histogram(metrics(token_engine.url))
+                    key = (load, m.name)
+                    itl[key] = vllm_steps.merge(itl.get(key), vllm_steps.itl_delta(before, after))
+                    fails = sum(not r.ok for r in rs)
+                    log(f"round {rnd} {load} {m.name}: {len(rs)} in {took:.1f} s, {fails} failed")
+                    for i, r in enumerate(rs):
+                        results.setdefault(key, []).append((rnd, i, r))
+                        if m.name == "plain":
+                            reference[(load, rnd, i)] = r.token_ids if r.ok else None
+                    time.sleep(1.0)
         kv = next((m for m in live if m.name.startswith("kvpush-")), None)
         if kv is not None and args.waiting_seconds > 0:
             waiting = waiting_cost(kv, meter, 8, args.waiting_seconds)
@@ -705,6 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {
             "rounds": args.rounds,
             "requests_per_round": args.requests,
+            "loads": loads,
             "prompt_tokens": [args.min_prompt_tokens, args.max_prompt_tokens],
             "output_tokens": args.output_tokens,
             "qps": args.qps,
@@ -716,26 +763,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         "startup_s": round(startup, 1),
         "wall_s": round(wall, 1),
         "work_dir": str(work),
-        "modes": {},
+        "skipped": {n: m.skipped for n, m in modes.items() if m.skipped},
+        "loads": {},
+        "connector_per_step": vllm_steps.step_summary(logs / f for f in STEPS),
         "waiting_for_kv": waiting,
     }
+    assert meter is not None
+    for load in loads:
+        out["loads"][load] = _load_figures(
+            load, names, modes, results, itl, reference, meter, pinned, logs
+        )
+    print(table(out), file=sys.stderr)
+    for load, by_mode in out["loads"].items():
+        for name, s in by_mode.items():
+            if "breakdown" in s:
+                print(vllm_breakdown.table(f"{load} {name}", s["breakdown"]), file=sys.stderr)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def _load_figures(
+    load: str,
+    names: Sequence[str],
+    modes: dict[str, Mode],
+    results: dict[tuple[str, str], list[tuple[int, int, Result]]],
+    itl: dict[tuple[str, str], dict[str, Any]],
+    reference: dict[tuple[str, int, int], list[int] | None],
+    meter: CpuMeter,
+    pinned: dict[str, dict[str, int]],
+    logs: Path,
+) -> dict[str, Any]:
+    """One load's figures per mode, with each ratio to plain and to the best vLLM mode."""
+    by_mode: dict[str, Any] = {}
     for name in names:
         m = modes[name]
         if m.skipped:
-            out["modes"][name] = {"skipped": m.skipped}
+            by_mode[name] = {"skipped": m.skipped}
             continue
-        rs = results[name]
+        rs = results.get((load, name), [])
         ok = [r for _, _, r in rs if r.ok]
+        ref = {(rnd, i): reference.get((load, rnd, i)) for rnd, i, _ in rs}
         mism = [
             (rnd, i)
             for rnd, i, r in rs
-            if r.ok and reference.get((rnd, i)) is not None and r.token_ids != reference[(rnd, i)]
+            if r.ok and ref[(rnd, i)] is not None and r.token_ids != ref[(rnd, i)]
         ]
-        unchecked = sum(1 for rnd, i, r in rs if r.ok and reference.get((rnd, i)) is None)
+        unchecked = sum(1 for rnd, i, r in rs if r.ok and ref[(rnd, i)] is None)
         ttft = [r.ttft for r in ok if r.ttft is not None]
         tpot = [r.tpot for r in ok if r.tpot is not None]
         errors = sorted({r.error for _, _, r in rs if not r.ok})
-        out["modes"][name] = {
+        engine_tpot = vllm_steps.itl_figures(itl.get((load, name)))
+        by_mode[name] = {
             "requests": len(rs),
             "failures": len(rs) - len(ok),
             "token_mismatches": len(mism),
@@ -748,10 +826,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "p50": ms(statistics.median(tpot)) if tpot else None,
                 "p95": ms(pct(tpot, 0.95)),
             },
+            "engine_tpot_ms": {"p50": engine_tpot["p50_ms"], "mean": engine_tpot["mean_ms"]},
+            "engine_tpot_samples": engine_tpot["count"],
             "cpu": {
                 e.name: {
                     "idle": meter.share(e.name, "idle"),
-                    "load": meter.share(e.name, f"load:{name}"),
+                    "load": meter.share(e.name, f"load:{load}:{name}"),
                     "threads_by_affinity": pinned.get(e.name, {}),
                 }
                 for e in m.procs()
@@ -768,56 +848,47 @@ def main(argv: Sequence[str] | None = None) -> int:
                 vllm_breakdown.read_lines(logs / t for t in TIMELINES), clients
             )
             mode_name = name.removeprefix("kvpush-")
-            out["modes"][name]["breakdown"] = vllm_breakdown.summary(joined, mode_name)
-    live_stats = {n: s for n, s in out["modes"].items() if "skipped" not in s}
-    plain = live_stats.get("plain")
-
-    def best(metric: str) -> tuple[str | None, float | None]:
+            by_mode[name]["breakdown"] = vllm_breakdown.summary(joined, mode_name)
+    live = {n: s for n, s in by_mode.items() if "skipped" not in s}
+    plain = live.get("plain")
+    for metric in ("ttft_ms", "tpot_ms", "engine_tpot_ms"):
         cands = [
             (s[metric]["p50"], n)
-            for n, s in live_stats.items()
+            for n, s in live.items()
             if n in VLLM_MODES and s[metric]["p50"] is not None
         ]
-        if not cands:
-            return None, None
-        v, n = min(cands)
-        return n, v
-
-    for metric in ("ttft_ms", "tpot_ms"):
-        bn, bv = best(metric)
-        out[f"best_vllm_{metric.removesuffix('_ms')}"] = bn
-        for _n, s in live_stats.items():
+        best = min(cands) if cands else (None, None)
+        for s in live.values():
             p50 = s[metric]["p50"]
             s.setdefault("ratio_p50", {})[metric.removesuffix("_ms")] = {
                 "to_plain": ratio(p50, plain[metric]["p50"] if plain else None),
-                "to_best_vllm": ratio(p50, bv),
+                "to_best_vllm": ratio(p50, best[0]),
+                "best_vllm": best[1],
             }
-    print(table(out), file=sys.stderr)
-    for name, s in out["modes"].items():
-        if "breakdown" in s:
-            print(vllm_breakdown.table(name, s["breakdown"]), file=sys.stderr)
-    print(json.dumps(out, indent=2))
-    return 0
+    return by_mode
 
 
 def table(out: dict[str, Any]) -> str:
     rows = [
-        "| mode | ok/requests | mismatches | TTFT p50 / p95 ms | TPOT p50 / p95 ms "
-        "| TTFT/plain | TPOT/plain | TTFT/best vLLM | TPOT/best vLLM |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| load | mode | ok/requests | mismatches | TTFT p50 / p95 ms | TPOT p50 / p95 ms "
+        "| engine TPOT p50 / mean ms | TTFT/plain | TPOT/plain | engine TPOT/plain "
+        "| TTFT/best vLLM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, s in out["modes"].items():
-        if "skipped" in s:
-            rows.append(f"| {name} | skipped: {s['skipped'][:200]} |||||||| ")
-            continue
-        r = s["ratio_p50"]
-        rows.append(
-            f"| {name} | {s['requests'] - s['failures']}/{s['requests']} | "
-            f"{s['token_mismatches']} | {s['ttft_ms']['p50']} / {s['ttft_ms']['p95']} | "
-            f"{s['tpot_ms']['p50']} / {s['tpot_ms']['p95']} | {r['ttft']['to_plain']} | "
-            f"{r['tpot']['to_plain']} | {r['ttft']['to_best_vllm']} | "
-            f"{r['tpot']['to_best_vllm']} |"
-        )
+    for load, by_mode in out["loads"].items():
+        for name, s in by_mode.items():
+            if "skipped" in s:
+                rows.append(f"| {load} | {name} | skipped: {s['skipped'][:200]} |||||||||")
+                continue
+            r = s["ratio_p50"]
+            rows.append(
+                f"| {load} | {name} | {s['requests'] - s['failures']}/{s['requests']} | "
+                f"{s['token_mismatches']} | {s['ttft_ms']['p50']} / {s['ttft_ms']['p95']} | "
+                f"{s['tpot_ms']['p50']} / {s['tpot_ms']['p95']} | "
+                f"{s['engine_tpot_ms']['p50']} / {s['engine_tpot_ms']['mean']} | "
+                f"{r['ttft']['to_plain']} | {r['tpot']['to_plain']} | "
+                f"{r['engine_tpot']['to_plain']} | {r['ttft']['to_best_vllm']} |"
+            )
     return "\n".join(rows)
 
 

@@ -59,6 +59,9 @@ class ConnectorConfig:
     #: Prefill: write each chunked-prefill step's blocks while the rest is
     #: computed (progressive push, ``_progressive.py``); push legs only.
     progressive: bool = False
+    #: A file to append one JSON line per engine step to: what vLLM's calls
+    #: into the connector cost (``_steps.py``). None: off.
+    step_profile_file: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -68,7 +71,7 @@ class ConnectorConfig:
             "host", "port", "engine_id", "secret", "mode", "ready_timeout",
             "kv_hold_timeout", "max_transit", "op_bound", "backends", "backend_params",
             "allow_unproven", "timeline_file", "idle_wait", "allowed_peers",
-            "router_discovery", "progressive",
+            "router_discovery", "progressive", "step_profile_file",
         }  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -115,9 +118,12 @@ class ConnectorConfig:
         idle_wait = raw.get("idle_wait", 0.01)
         if type(idle_wait) not in (int, float) or not 0 <= idle_wait <= 1:
             raise ConfigError(f"idle_wait must be seconds in [0, 1], got {idle_wait!r}")
-        timeline_file = raw.get("timeline_file")
-        if timeline_file is not None and (not isinstance(timeline_file, str) or not timeline_file):
-            raise ConfigError(f"timeline_file must be a file path, got {timeline_file!r}")
+        files = {}
+        for key in ("timeline_file", "step_profile_file"):
+            path = raw.get(key)
+            if path is not None and (not isinstance(path, str) or not path):
+                raise ConfigError(f"{key} must be a file path, got {path!r}")
+            files[key] = path
         engine_id = raw.get("engine_id", "")
         if not isinstance(engine_id, str):
             raise ConfigError(f"engine_id must be a str, got {engine_id!r}")
@@ -159,7 +165,8 @@ class ConnectorConfig:
             backends=tuple(backends),
             backend_params=params,
             allow_unproven=frozenset(allow),
-            timeline_file=timeline_file,
+            timeline_file=files["timeline_file"],
+            step_profile_file=files["step_profile_file"],
             idle_wait=float(idle_wait),
             allowed_peers=frozenset(peers),
             router_discovery=discovery,

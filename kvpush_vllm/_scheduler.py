@@ -183,6 +183,11 @@ class SchedulerSide:
             message = registration(self.role is Role.PRODUCER, http, self.control_address())
             self._registrar = Registrar(router, message)
 
+    @property
+    def round_trips(self) -> int:
+        """Calls so far that waited for the runtime's thread."""
+        return 0 if self._sync is None else self._sync.round_trips
+
     def control_address(self) -> str:
         """This instance's control channel, ``host:port`` (once started)."""
         return host_port(self.config.host, self.port)

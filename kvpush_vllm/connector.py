@@ -42,6 +42,7 @@ from ._progressive import Progress
 from ._proven import Facts, check_proven, handshake_fingerprint, kv_layout_kind
 from ._scheduler import SchedulerSide
 from ._stats import KvpushPromMetrics, KvpushStats
+from ._steps import SCHEDULER_CALLS, WORKER_CALLS, StepClock
 from ._tensors import layout_from_tensors
 from ._worker import WorkerSide
 
@@ -69,6 +70,8 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
     #: Progressive push: (req id, tokens computed once this step's forward is
     #: done), echoed by every worker after its ``wait_for_save``.
     progress: list[tuple[str, int]] = field(default_factory=list)
+    #: Requests vLLM scheduled in this step (for ``step_profile_file``).
+    scheduled: int = 0
 
 
 @dataclass
@@ -135,6 +138,20 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._sched = SchedulerSide(
                 self._kv_role, self._config, self._tp, self._total_heads, self._block_size
             )
+        #: ``step_profile_file``: vLLM's calls into this instance, timed per step.
+        self._clock: StepClock | None = None
+        if cfg.step_profile_file is not None:
+            self._profile(cfg.step_profile_file, role)
+
+    def _profile(self, path: str, role: KVConnectorRole) -> None:
+        side = "prefill" if self._kv_role is Role.PRODUCER else "decode"
+        if self._sched is not None:
+            sched = self._sched
+            self._clock = StepClock(path, side, "scheduler", lambda: sched.round_trips)
+            self._clock.wrap(self, SCHEDULER_CALLS, "build_connector_meta")
+        else:
+            self._clock = StepClock(path, side, "worker", lambda: 0)
+            self._clock.wrap(self, WORKER_CALLS, "bind_connector_metadata")
 
     # ==================== scheduler side ====================
 
@@ -209,10 +226,19 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             new = getattr(scheduler_output, "scheduled_new_reqs", None) or ()
             self._sched.first_steps([r.req_id for r in new])
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        scheduled = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
+        if self._clock is not None:
+            self._clock.scheduled(scheduled)
         out, reports = self._sched.step(idle)
         progress = [] if self._progress is None else self._progress.plan(scheduler_output)
         return KvpushMetadata(
-            out.actions, out.peers, reports.sending, reports.recving, reports.failed, progress
+            out.actions,
+            out.peers,
+            reports.sending,
+            reports.recving,
+            reports.failed,
+            progress,
+            scheduled,
         )
 
     def _prefill_preempted(self, req_id: str) -> None:
@@ -264,6 +290,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._sched is not None and self._sched.pending_push_work()
 
     def shutdown(self) -> None:
+        if self._clock is not None:
+            self._clock.flush()
         if self._sched is not None:
             self._sched.close()
         if self._worker is not None:
@@ -309,7 +337,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and isinstance(connector_metadata, KvpushMetadata):
+        if not isinstance(connector_metadata, KvpushMetadata):
+            return
+        if self._clock is not None:
+            self._clock.scheduled(connector_metadata.scheduled)
+        if self._worker is not None:
             self._worker.step(connector_metadata.actions, connector_metadata.peers)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -54,6 +54,8 @@ class SyncRuntime(Generic[R]):
             raise
         self.runtime: R = runtime
         self._closed = False
+        #: Calls that waited for the loop's thread (:meth:`call`, :meth:`wait_events`).
+        self.round_trips = 0
 
     async def _serve(
         self,
@@ -80,6 +82,7 @@ class SyncRuntime(Generic[R]):
         its result. Events it causes wait in the queue for :meth:`events`."""
         if self._closed:
             raise KvpushError("the runtime is closed")
+        self.round_trips += 1
         result: T = self._portal.call(self._call, fn, args)
         return result
 
@@ -94,6 +97,7 @@ class SyncRuntime(Generic[R]):
         """Block up to ``timeout`` seconds for at least one event."""
         if self._closed:
             raise KvpushError("the runtime is closed")
+        self.round_trips += 1
         return self._portal.call(self.runtime.next_events, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
