@@ -71,7 +71,8 @@ try:
 except ImportError:  # pragma: no cover - the e2e venv has it (vLLM needs it)
     psutil = None
 
-MODES = ("plain", "kvpush-push", "kvpush-pull", "nixl-pull", "nixl-push")
+MODES = ("plain", "kvpush-push", "kvpush-pull", "kvpush-local", "nixl-pull", "nixl-push")
+KVPUSH_MODES = ("kvpush-push", "kvpush-pull", "kvpush-local")
 VLLM_MODES = ("nixl-pull", "nixl-push")
 #: Seconds one request may take (socket timeout; --timeout sets it).
 LIMITS = {"request": 120.0}
@@ -183,7 +184,7 @@ def build_modes(
     if "plain" in names:
         e = engine("plain", model, logs, bind="0", block_size=bs, args=common)
         modes["plain"] = Mode("plain", [e], url=e.url)
-    if {"kvpush-push", "kvpush-pull"} & set(names):
+    if set(KVPUSH_MODES) & set(names):
         p = engine(
             "kvpush-p",
             model,
@@ -217,6 +218,8 @@ def build_modes(
         for n in ("kvpush-push", "kvpush-pull"):
             if n in names:
                 modes[n] = Mode(n, [p, d], url=r.url, prefill=p, decode=d, extra={"router": r})
+        if "kvpush-local" in names:
+            modes["kvpush-local"] = Mode("kvpush-local", [d], url=d.url, decode=d)
     for n in VLLM_MODES:
         if n not in names:
             continue
@@ -467,7 +470,7 @@ def non_stream(
 def send(mode: Mode, prompt: list[int], n_out: int) -> Result:
     t0 = time.monotonic()
     try:
-        if mode.name == "plain":
+        if mode.name in ("plain", "kvpush-local"):
             return stream(mode.url, _body(prompt, n_out, True), t0)
         if mode.name.startswith("kvpush-"):
             body = _body(prompt, n_out, True, kvpush_mode=mode.name.removeprefix("kvpush-"))
@@ -538,7 +541,8 @@ def waiting_cost(mode: Mode, meter: CpuMeter, n: int, seconds: float) -> dict[st
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=seconds + 60)
         with lock:
             conns.append(conn)
-        with contextlib.suppress(OSError, http.client.HTTPException):
+        # The hang-up below ends these reads mid-stream (OSError, or a torn chunk).
+        with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
             conn.request("POST", "/v1/completions", json.dumps(body).encode(),
                          {"Content-Type": "application/json"})  # fmt: skip
             conn.getresponse().read()
@@ -626,7 +630,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=16, help="requests per mode per load per round")
+    ap.add_argument("--requests", type=int, default=16, help="Poisson requests per mode per round")
     ap.add_argument("--min-prompt-tokens", type=int, default=200)
     ap.add_argument("--max-prompt-tokens", type=int, default=1000)
     ap.add_argument("--output-tokens", type=int, default=24)
@@ -636,6 +640,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="poisson: arrivals at --qps; burst: a round's requests all at once",
     )
     ap.add_argument("--qps", type=float, default=2.0, help="the Poisson load's rate")
+    ap.add_argument(
+        "--burst-requests",
+        type=int,
+        default=32,
+        help="requests per mode per round of the burst load (32: every slot of --max-num-seqs)",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help=f"a subset of {','.join(MODES)}")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
@@ -713,12 +723,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rnd in range(args.rounds):
             rng = random.Random(args.seed * 1000 + rnd)
             for load in loads:
+                count = args.requests if load == "poisson" else args.burst_requests
                 lengths = [
                     rng.randint(args.min_prompt_tokens, args.max_prompt_tokens)
-                    for _ in range(args.requests)
+                    for _ in range(count)
                 ]
                 ps = [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
-                offsets = arrivals(args.requests, args.qps if load == "poisson" else 0.0, rng)
+                offsets = arrivals(count, args.qps if load == "poisson" else 0.0, rng)
                 order = live[rnd % len(live) :] + live[: rnd % len(live)]
                 for m in order:
                     token_engine = m.decode or m.engines[0]
@@ -737,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         if m.name == "plain":
                             reference[(load, rnd, i)] = r.token_ids if r.ok else None
                     time.sleep(1.0)
-        kv = next((m for m in live if m.name.startswith("kvpush-")), None)
+        kv = next((m for m in live if m.name in ("kvpush-push", "kvpush-pull")), None)
         if kv is not None and args.waiting_seconds > 0:
             waiting = waiting_cost(kv, meter, 8, args.waiting_seconds)
             log(f"waiting for remote KV: {waiting['cpu']}")
@@ -750,7 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "vllm": _vllm_version(),
         "settings": {
             "rounds": args.rounds,
-            "requests_per_round": args.requests,
+            "requests_per_round": {"poisson": args.requests, "burst": args.burst_requests},
             "loads": loads,
             "prompt_tokens": [args.min_prompt_tokens, args.max_prompt_tokens],
             "output_tokens": args.output_tokens,
@@ -838,7 +849,7 @@ def _load_figures(
             },
             "errors": errors[:5],
         }
-        if name.startswith("kvpush-"):
+        if name in ("kvpush-push", "kvpush-pull"):
             clients = {
                 r.request_id: {"sent": r.sent, "first_token": r.first}
                 for _, _, r in rs

@@ -26,7 +26,6 @@ What vLLM hears, and when:
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import secrets
 import threading
@@ -136,6 +135,8 @@ class SchedulerSide:
         self._gauges: dict[str, int] = {}
         self.refused_params = 0
         self._registrar: Registrar | None = None
+        #: Prefill -> the address its channel route was given (``_route``).
+        self._routes: dict[str, tuple[str, int]] = {}
 
     # --- set-up ------------------------------------------------------------------
 
@@ -206,7 +207,7 @@ class SchedulerSide:
         if self._sync is not None:
             # Every step: an engine going idle steps no more, so the step that
             # released the last blocks must report them.
-            gauges = self._sync.call(self._read_gauges)
+            gauges = self._read_gauges()
             if gauges != self._gauges:
                 self._gauges = gauges
                 out.update({f"g:{kind}": n for kind, n in gauges.items()})
@@ -214,10 +215,12 @@ class SchedulerSide:
 
     def _read_gauges(self) -> dict[str, int]:
         assert self._sync is not None
-        ep = self._sync.runtime.endpoint
-        if isinstance(ep, Producer):
-            return {"held": ep.held_blocks}
-        return {"reserved": ep.reserved_blocks, "suspect": ep.suspect_blocks}
+        rt = self._sync.runtime
+        with rt.lock:
+            ep = rt.endpoint
+            if isinstance(ep, Producer):
+                return {"held": ep.held_blocks}
+            return {"reserved": ep.reserved_blocks, "suspect": ep.suspect_blocks}
 
     def close(self) -> None:
         registrar, self._registrar = self._registrar, None
@@ -255,32 +258,24 @@ class SchedulerSide:
         if now - self._waiting[req_id] < self.config.kv_hold_timeout / 3:
             return
         self._waiting[req_id] = now
-        host, port = params.peer_address()
-        sync, channel = self._running()
-        sync.call(channel.add_route, params.peer, host, port)
-        sync.call(sync.runtime.keep, params.transfer_id, params.peer)
+        sync = self._route(params)
+        sync.runtime.keep(params.transfer_id, params.peer)
 
     def reserve(
         self, req_id: str, params: TransferParams, blocks: list[int], skip_tokens: int
     ) -> None:
         """Reserve ``blocks`` and register them with the prefill (``params.peer``)."""
         self._waiting.pop(req_id, None)
-        host, port = params.peer_address()
-        mode = params.mode
-        sync, channel = self._running()
-        rt = sync.runtime
+        rt = self._route(params).runtime
         # Under the lock from the call to the bookkeeping: a step() on another
         # thread cannot see this transfer's events before it is known.
         with self._lock:
-            sync.call(channel.add_route, params.peer, host, port)
-            result = sync.call(
-                lambda: rt.reserve(
-                    params.transfer_id,
-                    params.peer,
-                    [blocks],
-                    mode=mode,
-                    skip_tokens=skip_tokens * self._scale,
-                )
+            result = rt.reserve(
+                params.transfer_id,
+                params.peer,
+                [blocks],
+                mode=params.mode,
+                skip_tokens=skip_tokens * self._scale,
             )
             if isinstance(result, Refused):
                 # Nothing was registered, nothing can land: fail it now.
@@ -304,9 +299,7 @@ class SchedulerSide:
                 return
             tr.state = "preempted"
             del self._key_of[req_id]
-        sync, _ = self._running()
-        rt = sync.runtime
-        sync.call(rt.preempt, key[0])
+        self._running()[0].runtime.preempt(key[0])
 
     def finished_decode(self, req_id: str) -> bool:
         """vLLM finished the request; True if its blocks must wait (a load in flight)."""
@@ -320,8 +313,7 @@ class SchedulerSide:
             was, tr.state = tr.state, "aborted"
             if was != "loading":
                 return True  # failed: its blocks wait for Released
-        sync, _ = self._running()
-        sync.call(sync.runtime.abort, key[0])
+        self._running()[0].runtime.abort(key[0])
         return True
 
     # --- prefill -----------------------------------------------------------------
@@ -340,21 +332,25 @@ class SchedulerSide:
             key = (params.transfer_id, 0)
             self._by_key[key] = _Transfer(req_id, list(blocks), "sending")
             self._key_of[req_id] = key
-        sync, _ = self._running()
-        sync.call(sync.runtime.kv_ready, params.transfer_id, [blocks])
+        self._running()[0].runtime.kv_ready(params.transfer_id, [blocks])
         return True
 
     def kv_increment(self, transfer_id: str, blocks: list[int]) -> None:
         """Progressive push: the whole blocks a prefill computed so far."""
-        sync, _ = self._running()
-        sync.call(functools.partial(sync.runtime.kv_ready, final=False), transfer_id, [blocks])
+        self._running()[0].runtime.kv_ready(transfer_id, [blocks], final=False)
 
     def abandon(self, req_id: str, params: TransferParams) -> None:
         """The prefill request ended without its KV (aborted): tell the decode
         now, if it registered already, rather than at its deadline."""
         self.breakdown.write(req_id, outcome="aborted")
-        sync, _ = self._running()
-        sync.call(sync.runtime.abort, params.transfer_id)
+        self._running()[0].runtime.abort(params.transfer_id)
+
+    def expecting(self) -> bool:
+        """Whether a transfer is open (a load, a held source, blocks waiting
+        for their release): a peer may be moving bytes to or from the
+        workers, so their data planes must poll."""
+        with self._lock:
+            return bool(self._by_key)
 
     def pending_push_work(self) -> bool:
         with self._lock:
@@ -363,9 +359,9 @@ class SchedulerSide:
     # --- every step ----------------------------------------------------------------
 
     def step(self, idle: bool = False) -> tuple[Outbound, Reports]:
-        """Drain protocol events (this is their only drain); what goes to the
-        workers this step. ``idle``: vLLM scheduled nothing this step (see
-        :meth:`_idle_wait`)."""
+        """Drain protocol events (here and in :meth:`results`, the only two
+        drains); what goes to the workers this step. ``idle``: vLLM scheduled
+        nothing this step (see :meth:`_idle_wait`)."""
         with self._lock:
             if self._sync is not None:
                 events = self._sync.events()
@@ -400,9 +396,28 @@ class SchedulerSide:
                 return events
         return []
 
-    def results(self, results: list[Result]) -> None:
-        """The workers' transfer results and notices, into the pump."""
-        self.bridge.deliver(results)
+    def results(self, results: list[Result]) -> Reports:
+        """The workers' transfer results and notices, fed to the core now, on
+        this thread; returns what vLLM can hear in this very step (loads that
+        finished, sources released), taken out of the next step's reports.
+
+        vLLM calls ``update_connector_output`` before it reads the step's
+        ``finished_recving`` and ``finished_sending``, so a load whose last
+        notice reached a worker during step N is scheduled in step N+1, not a
+        round trip through the workers later (N+2). A failed load stays on the
+        workers' path: vLLM reads load errors before this call."""
+        if self._sync is None:
+            self.bridge.deliver(results)  # the bridge fails them (not started)
+            return Reports()
+        rt = self._sync.runtime
+        rt.feed(results)
+        with self._lock:
+            for ev in rt.events_nowait():
+                self._event(ev)
+            r = self._reports
+            now = Reports(r.sending, {req for req in r.recving if req not in r.failed})
+            r.sending, r.recving = set(), r.recving - now.recving
+        return now
 
     def recving_seen(self, req_ids: set[str]) -> None:
         """vLLM's scheduler took these loads as finished (breakdown only)."""
@@ -424,6 +439,17 @@ class SchedulerSide:
         if self._sync is None or self._channel is None:
             raise RuntimeError("kvpush: the workers have not registered their KV caches yet")
         return self._sync, self._channel
+
+    def _route(self, params: TransferParams) -> SyncRuntime[Any]:
+        """Make sure the channel dials ``params.peer`` at its address: a hop
+        onto the loop the first time a prefill (or a new address of it) is
+        seen, none after."""
+        sync, channel = self._running()
+        address = params.peer_address()
+        if self._routes.get(params.peer) != address:
+            sync.call(channel.add_route, params.peer, *address)
+            self._routes[params.peer] = address
+        return sync
 
     def _event(self, ev: Event) -> None:
         if isinstance(ev, PeerFailed):

@@ -54,7 +54,20 @@ class WorkerSide:
         description for the handshake (transport metadata and layout)."""
         if self._dataplane is not None:
             raise RuntimeError("register() was already called")
-        dp = DataPlane(self.role, {self.rank: Rank(self._transport, layout)}, self.tp, self._codec)
+        # The data plane shares this process, and the GIL, with the engine's
+        # forward: with no transfer open it polls nothing; with one open (bytes
+        # may arrive) every 0.5 ms; for 2 ms after a command or result every
+        # 50 us (a transfer's next notice is usually close behind); every
+        # 20 us while an op of its own is posted.
+        dp = DataPlane(
+            self.role,
+            {self.rank: Rank(self._transport, layout)},
+            self.tp,
+            self._codec,
+            poll_interval=0.0005,
+            busy_for=0.002,
+            expecting=False,
+        )
         dp.bind(self._collect)
         dp.start()
         self._dataplane = dp
@@ -62,13 +75,20 @@ class WorkerSide:
         self.blob = encode_rank(self._transport.metadata(), layout)
         return self.blob
 
-    def step(self, actions: Sequence[StartWrite | StartRead], peers: Sequence[PeerRanks]) -> None:
-        """Apply one step's metadata: new peers first, then our actions."""
+    def step(
+        self,
+        actions: Sequence[StartWrite | StartRead],
+        peers: Sequence[PeerRanks],
+        expecting: bool,
+    ) -> None:
+        """Apply one step's metadata: new peers first, then our actions;
+        ``expecting``: a transfer is open (the data plane polls only then)."""
         dp = self._dataplane
         if dp is None:
             if actions:
                 self._fail(actions, "the worker registered no KV caches")
             return
+        dp.expect(expecting)
         for peer in peers:  # a new instance of a peer replaces the old one
             dp.add_peer(peer)
         for action in actions:

@@ -72,6 +72,9 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
     progress: list[tuple[str, int]] = field(default_factory=list)
     #: Requests vLLM scheduled in this step (for ``step_profile_file``).
     scheduled: int = 0
+    #: A transfer of this instance is open: a peer may move bytes to or from
+    #: the workers' KV (their data planes poll only then: ``DataPlane.expect``).
+    expecting: bool = False
 
 
 @dataclass
@@ -239,6 +242,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             reports.failed,
             progress,
             scheduled,
+            self._sched.expecting(),
         )
 
     def _prefill_preempted(self, req_id: str) -> None:
@@ -253,7 +257,17 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._sched is not None and isinstance(meta, KvpushWorkerMetadata):
-            self._sched.results(meta.results)
+            # vLLM reads finished_recving/sending right after this call: what
+            # these results finished is heard in this step (_scheduler.results).
+            now = self._sched.results(meta.results)
+            if now.recving:
+                connector_output.finished_recving = (
+                    set(connector_output.finished_recving or ()) | now.recving
+                )
+            if now.sending:
+                connector_output.finished_sending = (
+                    set(connector_output.finished_sending or ()) | now.sending
+                )
             if self._progress is not None and meta.computed:
                 for _, transfer_id, blocks in self._progress.computed(meta.computed):
                     self._sched.kv_increment(transfer_id, blocks)
@@ -342,7 +356,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._clock is not None:
             self._clock.scheduled(connector_metadata.scheduled)
         if self._worker is not None:
-            self._worker.step(connector_metadata.actions, connector_metadata.peers)
+            meta = connector_metadata
+            self._worker.step(meta.actions, meta.peers, meta.expecting)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Nothing: transfers run on the data-plane thread, off the forward path."""

@@ -5,12 +5,13 @@ called ``SyncRuntime.call(channel.add_route, ...)`` and ignored its result, whic
 also carried every event drained so far. Another transfer's ``Ready`` queued at
 that moment was lost; the core had finished that transfer, so no deadline fired,
 and vLLM never heard that its KV had arrived. Events now have one sink, drained
-only by the owner (``SchedulerSide.step``).
+only by the owner (``SchedulerSide.step`` and ``SchedulerSide.results``).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -22,15 +23,22 @@ from kvpush.protocol import Mode, Ready, Role
 from kvpush_vllm._params import TransferParams
 
 
-def step_workers(inst: Instance) -> None:
-    """The workers' half of an engine step, without draining the scheduler
-    side's events (what vLLM's engine does between two scheduler steps)."""
+def worker_results(inst: Instance) -> list[Any]:
+    """The workers' half of an engine step: their results."""
     out = inst.sched.bridge.take()
     results = []
     for w in inst.workers:
-        w.step(out.actions, out.peers)
+        w.step(out.actions, out.peers, inst.sched.expecting())
         results += w.take_results()
-    inst.sched.results(results)
+    return results
+
+
+def step_workers(inst: Instance) -> None:
+    """The workers' half of an engine step and ``update_connector_output``
+    (what vLLM's engine does between two scheduler steps)."""
+    heard = inst.sched.results(worker_results(inst))  # what vLLM hears in this step
+    inst.seen.recving |= heard.recving
+    inst.seen.sending |= heard.sending
 
 
 def test_a_ready_queued_during_another_reservation_reaches_vllm() -> None:
@@ -79,7 +87,7 @@ def test_the_facade_hands_events_only_to_its_drain() -> None:
         while core.reservations():
             assert time.monotonic() < deadline
             prefill.step()
-            step_workers(decode)
+            sync.runtime.feed(worker_results(decode))  # fed, not drained
             time.sleep(0.002)
         assert sync.call(lambda: 42) == 42  # a plain result, no events tuple
         events = sync.events()

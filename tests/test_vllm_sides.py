@@ -11,6 +11,7 @@ import json
 import pathlib
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -116,7 +117,14 @@ def free_port() -> int:
 class Instance:
     """One vLLM instance's connector halves: scheduler side plus TP ranks."""
 
-    def __init__(self, role: Role, tp: int, port: int = 0, **extra_config: Any) -> None:
+    def __init__(
+        self,
+        role: Role,
+        tp: int,
+        port: int = 0,
+        transport: Callable[[str], Any] = NixlTransport,
+        **extra_config: Any,
+    ) -> None:
         extra: dict[str, Any] = {"port": port, **extra_config}
         self.config = ConnectorConfig.from_extra(extra)
         self.sched = SchedulerSide(role, self.config, tp, HEADS, BS)
@@ -133,7 +141,7 @@ class Instance:
                 head_size=HEAD,
                 head_start=r * heads,
             )
-            w = WorkerSide(role, r, tp, Codec(), NixlTransport(f"{self.config.engine_id}-r{r}"))
+            w = WorkerSide(role, r, tp, Codec(), transport(f"{self.config.engine_id}-r{r}"))
             blobs[r] = w.register(layout)
             self.workers.append(w)
         self.sched.start(blobs)
@@ -147,9 +155,11 @@ class Instance:
         self.seen.failed.update(reports.failed)
         results = []
         for w in self.workers:
-            w.step(out.actions, out.peers)
+            w.step(out.actions, out.peers, self.sched.expecting())
             results += w.take_results()
-        self.sched.results(results)
+        heard = self.sched.results(results)  # vLLM hears these in the same step
+        self.seen.sending |= heard.sending
+        self.seen.recving |= heard.recving
 
     def close(self) -> None:
         self.sched.close()
@@ -448,6 +458,17 @@ def test_llmd_sidecar_push_exchange_with_an_identity_change_and_the_resend() -> 
         fresh = prefill_answers(prefill, "xfer-3", [11, 12])
         assert {k: fresh[k] for k in identity_keys} != cached  # the sidecar sees a change
         assert decode.sched.finished_decode("d-3a") is True  # vLLM aborts the cancelled leg
+        # The sidecar's HTTP round trip: by the time the resend reaches the
+        # decode, its channel has met the new instance (reserve never waits for
+        # the channel's loop, so the test waits here as the real hop does).
+        rt = decode.sched._running()[0].runtime
+
+        def knows_new_prefill() -> bool:
+            with rt.lock:
+                hello = rt.endpoint.peer(f"127.0.0.1:{port}").hello
+            return hello is not None and hello.instance == prefill.sched.instance
+
+        run_until([prefill, decode], knows_new_prefill)
         decode_leg("d-3b", fresh, [13, 14])  # sent again, same transfer id
         loaded(prefill, "d-3b", [11, 12], [13, 14])
         run_until([prefill, decode], lambda: "d-3a" in decode.seen.sending)  # blocks freed

@@ -104,8 +104,10 @@ class DataPlane:
     After a poll that brought nothing the thread waits for a command for
     ``inflight_poll_interval`` seconds while an op is posted,
     ``busy_poll_interval`` for ``busy_for`` seconds after any command or
-    result, else ``poll_interval`` (see :meth:`_nap`); each is capped by the
-    one after it."""
+    result, ``poll_interval`` while transfers are expected (:meth:`expect`:
+    bytes or notices may arrive from a peer), and otherwise until the next
+    command, polling nothing (see :meth:`_nap`); each interval is capped by
+    the one after it. ``polls`` counts the passes that polled."""
 
     def __init__(
         self,
@@ -119,6 +121,7 @@ class DataPlane:
         busy_poll_interval: float = 0.00005,
         inflight_poll_interval: float = 0.00002,
         busy_for: float = 0.05,
+        expecting: bool = True,
     ) -> None:
         for name, value in (
             ("poll_interval", poll_interval),
@@ -138,6 +141,10 @@ class DataPlane:
         self._inflight_poll_interval = min(inflight_poll_interval, self._busy_poll_interval)
         self._busy_for = busy_for
         self._busy_until = 0.0  # poll at the busy interval until then (monotonic)
+        #: Transfers to or from a peer may be under way (:meth:`expect`).
+        self._expecting = expecting
+        self._expect_sent = expecting
+        self.polls = 0
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._peers: dict[str, PeerRanks] = {}
         self._agents: dict[tuple[str, int], str] = {}
@@ -183,6 +190,17 @@ class DataPlane:
         """Queue a peer's rank metadata (a new instance replaces the old)."""
         self._inbox.put(("peer", peer))
 
+    def expect(self, expecting: bool) -> None:
+        """Whether a peer may be moving bytes to or from our ranks now (a
+        registration or a held source is open): then the thread polls every
+        ``poll_interval`` even with no op of its own posted, since a NIXL
+        target that does not poll stalls the peer's op and never sees its
+        notice. Without it, and with nothing posted, the thread sleeps until
+        the next command. A change only (repeats cost nothing)."""
+        if expecting != self._expect_sent:
+            self._expect_sent = expecting
+            self._inbox.put(("expect", expecting))
+
     def metadata(self) -> dict[int, bytes]:
         """Our ranks' transport metadata, for the handshake."""
         return {i: r.transport.metadata() for i, r in self.ranks.items()}
@@ -190,6 +208,7 @@ class DataPlane:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread; posted transfers are reported failed."""
         self._stop.set()
+        self._inbox.put(("stop", None))  # wakes a thread that sleeps on the inbox
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -216,7 +235,10 @@ class DataPlane:
         try:
             while not self._stop.is_set():
                 results = self._take_commands(command)
+                if self._stop.is_set():
+                    break
                 busy = bool(results)
+                self.polls += 1
                 for index, rank in self.ranks.items():
                     completed, notices = rank.transport.poll()
                     if not (completed or notices):
@@ -234,6 +256,7 @@ class DataPlane:
                         results.append(NoticeIn(notice, self._senders.get(n.peer), now))
                     busy = busy or bool(completed or notices)
                 command = None
+                nap: float | None
                 if results:
                     self._on_results(results)
                     # The loop just woken needs the GIL: block briefly (a
@@ -242,7 +265,9 @@ class DataPlane:
                     nap = self._inflight_poll_interval
                 else:
                     nap = 0.0 if busy else self._nap()
-                if nap > 0:
+                if nap is None:
+                    command = self._inbox.get()  # nothing to poll for: sleep
+                elif nap > 0:
                     with contextlib.suppress(queue.Empty):
                         command = self._inbox.get(timeout=nap)
         except BaseException as exc:  # surfaced by the runtime, never swallowed
@@ -252,23 +277,28 @@ class DataPlane:
             if command is not None:  # taken but not run: stop() reports it
                 self._inbox.put(command)
 
-    def _nap(self) -> float:
+    def _nap(self) -> float | None:
         """How long to wait for a command before polling again, when the last
-        poll brought nothing (notices arrive without any command).
+        poll brought nothing (notices arrive without any command); None: until
+        the next command.
 
         NIXL over UCX settles a write only when the *target* progresses
         (polls) and sends its notice only when the *initiator* does, so a
         notice costs a target poll, an initiator poll and a target poll
         again (``benchmarks/wire.py``, docs/runtime.md): while an op is posted
         ``inflight_poll_interval``; for ``busy_for`` seconds after any
-        command or result ``busy_poll_interval``; otherwise (idle)
-        ``poll_interval``, since every wake-up costs CPU the other side's
-        copy may need (about 50 us of CPU each on a 2-core host)."""
+        command or result ``busy_poll_interval``; while a peer may move bytes
+        to or from us (:meth:`expect`) ``poll_interval``; otherwise nothing
+        can arrive, and the thread sleeps: every wake-up costs CPU (about
+        50 us each on a 2-core host) and the GIL, which the engine's own
+        thread in the same process needs for its next step."""
         if self._posted:
             return self._inflight_poll_interval
         if time.monotonic() < self._busy_until:
             return self._busy_poll_interval
-        return self._poll_interval
+        if self._expecting:
+            return self._poll_interval
+        return None
 
     def _take_commands(self, first: tuple[str, object] | None) -> list[Result]:
         results: list[Result] = []
@@ -280,6 +310,11 @@ class DataPlane:
                     kind, item = self._inbox.get_nowait()
                 except queue.Empty:
                     return results
+            if kind == "stop":
+                return results
+            if kind == "expect":
+                self._expecting = bool(item)
+                continue
             self._busy_until = time.monotonic() + self._busy_for
             if kind == "peer":
                 assert isinstance(item, PeerRanks)

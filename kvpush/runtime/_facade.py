@@ -2,9 +2,14 @@
 and workers are synchronous).
 
 The runtime's event loop runs in a background thread (anyio's blocking
-portal). Every method is thread-safe: it hops onto the loop, feeds one input
-and returns. None of them waits for I/O: sends are queued on the channel and
-transfers on the data plane.
+portal). The runtime's role methods (``sync.runtime.reserve(...)``,
+``kv_ready``, ``abort``, ...) and :meth:`SyncRuntime.events` run on the
+caller's thread, under the runtime's lock, and never wait for the loop: it
+is woken to send what they caused (``EndpointRuntime``'s "Threads"). Only
+:meth:`SyncRuntime.call` hops onto the loop and waits for it; it is for what
+must run there (the channel's ``add_route``), never for a per-step path.
+None of them waits for I/O: sends are queued on the channel and transfers on
+the data plane.
 
 Events have one sink: the runtime's queue, which only :meth:`SyncRuntime.events`
 and :meth:`SyncRuntime.wait_events` drain, for the one owner that acts on them.
@@ -54,7 +59,7 @@ class SyncRuntime(Generic[R]):
             raise
         self.runtime: R = runtime
         self._closed = False
-        #: Calls that waited for the loop's thread (:meth:`call`, :meth:`wait_events`).
+        #: Calls that waited for the loop's thread (:meth:`call`).
         self.round_trips = 0
 
     async def _serve(
@@ -90,15 +95,16 @@ class SyncRuntime(Generic[R]):
         return fn(*args)
 
     def events(self) -> list[Event]:
-        """Every event so far, oldest first, and forget them (non-blocking)."""
-        return self.call(self.runtime.events_nowait)
+        """Every event so far, oldest first, and forget them (non-blocking;
+        no hop onto the loop)."""
+        return self.runtime.events_nowait()
 
     def wait_events(self, timeout: float) -> list[Event]:
-        """Block up to ``timeout`` seconds for at least one event."""
+        """Block this thread up to ``timeout`` seconds for at least one event
+        (the loop goes on meanwhile)."""
         if self._closed:
             raise KvpushError("the runtime is closed")
-        self.round_trips += 1
-        return self._portal.call(self.runtime.next_events, timeout)
+        return self.runtime.wait_events(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the runtime and the loop thread; idempotent."""

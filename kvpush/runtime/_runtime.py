@@ -16,6 +16,7 @@ import logging
 import math
 import queue
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Generic, Protocol, TypeVar
@@ -210,7 +211,17 @@ def _check_transit_budget(channel: object, stall_limit: float, max_transit: floa
 
 class EndpointRuntime(Generic[E]):
     """Runs one core endpoint on anyio. Call :meth:`run` in a task group;
-    feed inputs through the role's methods (from the event loop's thread).
+    feed inputs through the role's methods, from any thread.
+
+    Threads. The core is fed under :attr:`lock`, by the loop (frames, timers,
+    the data plane's results) and by any other thread that calls a role
+    method (``reserve``, ``kv_ready``, :meth:`feed`, ...) or
+    :meth:`events_nowait`. Such a call runs the core on the caller's thread
+    and drains it there: its writes and reads reach the data plane and its
+    events the queue before the call returns; only its control frames wait
+    for the loop (the channel is the loop's), which is woken to send them and
+    re-arm its timer. So a caller never waits for the loop's thread, only for
+    the lock, which every holder keeps for one core call.
 
     ``stall_limit`` (default ``timing.max_transit / 2``) and the channel's
     ``max_age`` share the endpoint's ``max_transit``: either over its half
@@ -236,6 +247,13 @@ class EndpointRuntime(Generic[E]):
         self._on_event = on_event
         self._events: collections.deque[Event] = collections.deque()
         self._have_events = anyio.Event()
+        #: Held around every use of the endpoint (see the class docs).
+        self.lock = threading.RLock()
+        #: Set while an event waits (:meth:`wait_events`, any thread).
+        self._events_waiting = threading.Event()
+        self._loop_thread: int | None = None
+        #: Frames the core emitted, in order, for the loop to hand the channel.
+        self._sends: collections.deque[Send] = collections.deque()
         self._rearm = anyio.Event()
         self._armed = math.inf  # the deadline the timer task sleeps towards
         self.timer_wakeups = 0
@@ -253,9 +271,10 @@ class EndpointRuntime(Generic[E]):
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Pump until cancelled."""
+        self._loop_thread = threading.get_ident()
         with _Wakeup() as wakeup:
             self._wakeup = wakeup
-            wakeup.set()  # results queued before we ran
+            wakeup.set()  # results (and core calls) queued before we ran
             if self.dataplane is not None:
                 self.dataplane.start()
             try:
@@ -277,30 +296,36 @@ class EndpointRuntime(Generic[E]):
         return time.monotonic()
 
     def _stalled(self, now: float, gap: float) -> None:
-        self.endpoint.stalled(now, gap)
+        with self.lock:
+            self.endpoint.stalled(now, gap)
 
     def kick(self) -> None:
         """After any input: drain the endpoint's outputs, and wake the timer
         task if the endpoint's next deadline is now earlier than the one it
         sleeps towards (a later one it finds when it wakes: one wake-up per
-        deadline, not per input)."""
-        self._drain()
-        deadline = self.endpoint.next_deadline()
+        deadline, not per input). Off the loop's thread it only wakes the
+        loop, which does both (the channel and the timer are the loop's)."""
+        with self.lock:
+            self._drain()
+            deadline = self.endpoint.next_deadline()
+        if threading.get_ident() != self._loop_thread:
+            wakeup = self._wakeup
+            if wakeup is not None:  # not running: run() kicks when it starts
+                wakeup.set()
+            return
+        self._flush()
         if deadline is not None and deadline < self._armed:
             self._armed = deadline
             self._rearm.set()
 
     def _drain(self) -> None:
+        """The core's outputs (under :attr:`lock`, any thread): frames queued
+        for the loop, transfers to the data plane, events to the queue."""
         for out in self.endpoint.drain():
             if isinstance(out, Send):
                 if isinstance(out.message, Hello):
                     self._hello_sent(out.peer)
-                try:
-                    self.channel.send_nowait(out.peer, out.message)
-                except KvpushError as exc:
-                    # A lost frame is something the protocol already survives.
-                    self.frames_dropped += 1
-                    log.warning("dropped %s to %s: %s", type(out.message).__name__, out.peer, exc)
+                self._sends.append(out)
             elif isinstance(out, (StartWrite, StartRead)):
                 if self.dataplane is None:
                     raise KvpushError("a transfer was planned but there is no data plane")
@@ -311,7 +336,21 @@ class EndpointRuntime(Generic[E]):
                 self._events.append(out)
                 if self._on_event is not None:
                     self._on_event(out)
-                self._have_events.set()
+                self._events_waiting.set()
+
+    def _flush(self) -> None:
+        """The loop's thread: hand the queued frames to the channel, in order,
+        and wake :meth:`next_events` if an event waits."""
+        while self._sends:
+            out = self._sends.popleft()
+            try:
+                self.channel.send_nowait(out.peer, out.message)
+            except KvpushError as exc:
+                # A lost frame is something the protocol already survives.
+                self.frames_dropped += 1
+                log.warning("dropped %s to %s: %s", type(out.message).__name__, out.peer, exc)
+        if self._events:
+            self._have_events.set()
 
     def _hello_sent(self, peer: str) -> None:
         """Log a hello the core sends again (its retry, or a new connection);
@@ -344,11 +383,13 @@ class EndpointRuntime(Generic[E]):
     # --- events for the caller ---------------------------------------------------
 
     def events_nowait(self) -> list[Event]:
-        """Every event so far, oldest first (and forget them). A :class:`Ready`
-        comes with its timeline's ``delivered`` set to now: the moment its
-        caller got it."""
-        out = list(self._events)
-        self._events.clear()
+        """Every event so far, oldest first (and forget them); any thread. A
+        :class:`Ready` comes with its timeline's ``delivered`` set to now: the
+        moment its caller got it."""
+        with self.lock:
+            out = list(self._events)
+            self._events.clear()
+            self._events_waiting.clear()
         now = None
         for i, ev in enumerate(out):
             if isinstance(ev, Ready):
@@ -364,19 +405,26 @@ class EndpointRuntime(Generic[E]):
                 await self._have_events.wait()
         return self.events_nowait()
 
+    def wait_events(self, timeout: float) -> list[Event]:
+        """Another thread's :meth:`next_events`: block it (not the loop) up to
+        ``timeout`` seconds for at least one event."""
+        self._events_waiting.wait(timeout)
+        return self.events_nowait()
+
     # --- the loops ---------------------------------------------------------------------
 
     async def _channel_loop(self) -> None:
         async for ev in self.channel.events():
             if isinstance(ev, Received):
                 self.watch.check()  # a gap ending now reaches the core first
-                now = self.now()
                 if isinstance(ev.message, Hello) and not self._usable(ev.peer, ev.message):
                     continue
                 endpoint = self.endpoint
-                before = endpoint.stall_dropped
-                endpoint.receive(now, ev.peer, ev.message)
-                if endpoint.stall_dropped != before:  # the core's stall rule
+                with self.lock:
+                    before = endpoint.stall_dropped
+                    endpoint.receive(self.now(), ev.peer, ev.message)
+                    dropped = endpoint.stall_dropped != before
+                if dropped:  # the core's stall rule
                     self.watch.dropped += 1
                     msg = ev.message
                     log.warning(
@@ -388,23 +436,28 @@ class EndpointRuntime(Generic[E]):
                         ev.peer,
                     )
             elif isinstance(ev, PeerLost):
-                self.endpoint.peer_lost(self.now(), ev.peer)
+                with self.lock:
+                    self.endpoint.peer_lost(self.now(), ev.peer)
             elif isinstance(ev, PeerConnected):
-                self.endpoint.connection_up(self.now(), ev.peer)
+                with self.lock:
+                    self.endpoint.connection_up(self.now(), ev.peer)
             else:  # Garbage: the channel counted and logged it
                 continue
             self.kick()
 
     async def _timer_loop(self) -> None:
         while True:
-            deadline = self.endpoint.next_deadline()
+            with self.lock:
+                deadline = self.endpoint.next_deadline()
             self._armed = math.inf if deadline is None else deadline
             self._rearm = anyio.Event()
             with anyio.move_on_after(max(0.0, self._armed - self.now())):
                 await self._rearm.wait()
             self.timer_wakeups += 1
-            self.endpoint.handle_timer(self.now())
-            self._drain()  # not kick(): the loop re-reads the deadline itself
+            with self.lock:
+                self.endpoint.handle_timer(self.now())
+                self._drain()  # not kick(): the loop re-reads the deadline itself
+            self._flush()
 
     async def _results_loop(self) -> None:
         assert self._wakeup is not None
@@ -413,6 +466,16 @@ class EndpointRuntime(Generic[E]):
             self._feed_results()
             if self.dataplane is not None and self.dataplane.error is not None:
                 raise KvpushError("the data-plane thread failed") from self.dataplane.error
+
+    def feed(self, results: list[Result]) -> None:
+        """Feed data-plane results into the core now, on the caller's thread
+        (a stand-in data plane whose results reach its owner's thread, like
+        the vLLM connector's workers at the end of an engine step)."""
+        with self.lock:
+            now = self.now()
+            for r in results:
+                self._feed_one(now, r)
+        self.kick()
 
     def post_results(self, results: list[Result]) -> None:
         """Called from the data-plane thread: queue results, wake the loop.
@@ -423,14 +486,15 @@ class EndpointRuntime(Generic[E]):
             wakeup.set()
 
     def _feed_results(self) -> None:
-        now = self.now()
         while True:
             try:
                 batch = self._results.get_nowait()
             except queue.Empty:
                 break
-            for r in batch:
-                self._feed_one(now, r)
+            with self.lock:
+                now = self.now()
+                for r in batch:
+                    self._feed_one(now, r)
         self.kick()
 
     def _feed_one(self, now: float, r: Result) -> None:
@@ -442,11 +506,13 @@ class ProducerRuntime(EndpointRuntime[Producer]):
 
     def kv_ready(self, transfer_id: str, blocks: list[list[int]], *, final: bool = True) -> None:
         """``final=False``: an increment (progressive push, see ``Producer.kv_ready``)."""
-        self.endpoint.kv_ready(self.now(), transfer_id, blocks, final=final)
+        with self.lock:
+            self.endpoint.kv_ready(self.now(), transfer_id, blocks, final=final)
         self.kick()
 
     def abort(self, transfer_id: str) -> bool:
-        known = self.endpoint.abort(self.now(), transfer_id)
+        with self.lock:
+            known = self.endpoint.abort(self.now(), transfer_id)
         self.kick()
         return known
 
@@ -464,7 +530,8 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
     """A consumer endpoint on anyio."""
 
     def connect(self, peer: str) -> None:
-        self.endpoint.connect(self.now(), peer)
+        with self.lock:
+            self.endpoint.connect(self.now(), peer)
         self.kick()
 
     def reserve(
@@ -476,14 +543,16 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
         mode: Mode = Mode.PUSH,
         skip_tokens: int = 0,
     ) -> Reserved | Refused:
-        result = self.endpoint.reserve(
-            self.now(), transfer_id, peer, blocks, mode=mode, skip_tokens=skip_tokens
-        )
+        with self.lock:
+            result = self.endpoint.reserve(
+                self.now(), transfer_id, peer, blocks, mode=mode, skip_tokens=skip_tokens
+            )
         self.kick()
         return result
 
     def preempt(self, transfer_id: str) -> bool:
-        done = self.endpoint.preempt(self.now(), transfer_id)
+        with self.lock:
+            done = self.endpoint.preempt(self.now(), transfer_id)
         self.kick()
         return done
 
@@ -491,22 +560,25 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
         """Ask producer ``peer`` to keep the ready KV of ``transfer_id``
         (:meth:`Consumer.keep`). With no handshake yet, starts one and returns
         False: the next call can be sent."""
-        now = self.now()
-        if self.endpoint.peer(peer).state is PeerState.DISCONNECTED:
-            self.endpoint.connect(now, peer)
-        sent = self.endpoint.keep(now, transfer_id, peer)
+        with self.lock:
+            now = self.now()
+            if self.endpoint.peer(peer).state is PeerState.DISCONNECTED:
+                self.endpoint.connect(now, peer)
+            sent = self.endpoint.keep(now, transfer_id, peer)
         self.kick()
         return sent
 
     def peer_gone(self, peer: str) -> int:
         """The caller knows producer ``peer``'s process is gone
         (:meth:`Consumer.peer_gone`)."""
-        n = self.endpoint.peer_gone(self.now(), peer)
+        with self.lock:
+            n = self.endpoint.peer_gone(self.now(), peer)
         self.kick()
         return n
 
     def abort(self, transfer_id: str) -> bool:
-        done = self.endpoint.abort(self.now(), transfer_id)
+        with self.lock:
+            done = self.endpoint.abort(self.now(), transfer_id)
         self.kick()
         return done
 

@@ -74,9 +74,6 @@ class Engine:
         monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", self.worker)
         ran = KVConnectorModelRunnerMixin.kv_connector_no_forward(out, self.config)
         kvo = ran.kv_connector_output
-        if kvo is not None:
-            self.sent |= kvo.finished_sending or set()
-            self.recved |= kvo.finished_recving or set()
         req_ids = list(out.num_scheduled_tokens)
         # As the model runner does: a chunk short of the prompt samples nothing.
         reqs = self.scheduler.requests
@@ -92,6 +89,9 @@ class Engine:
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)
                     self.answers[o.request_id] = o.kv_transfer_params
+        if kvo is not None:  # as vLLM's scheduler read them: after update_connector_output
+            self.sent |= kvo.finished_sending or set()
+            self.recved |= kvo.finished_recving or set()
         return out
 
     def blocks(self, req_id: str) -> list[int]:
@@ -277,6 +277,50 @@ def test_a_prefill_engine_keeps_stepping_while_a_push_is_pending(
     assert "p4" in prefill.finished and "p4" in prefill.scheduler.requests  # blocks held
     assert prefill.connector.has_pending_push_work()
     assert prefill.scheduler.has_requests()  # vLLM's loop keeps stepping
+
+
+def test_a_decoding_request_steps_without_waiting_while_other_requests_load(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode engine decodes d0 while d1 and d2 wait for KV their prefill has
+    not computed. Every step schedules d0, and no call vLLM makes into the
+    connector waits for the runtime's thread (a round trip there costs a
+    context switch, and, beside a busy neighbour on the same core, a whole
+    time slice of the step every request is waiting on). Before: two per step
+    (draining events, reading the block gauges), one more per reservation."""
+    from anyio.from_thread import BlockingPortal
+
+    port = free_port()
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {"port": port})
+    decode = Engine(make_scheduler, make_worker_connector, "kv_consumer", {})
+    peer = f"127.0.0.1:{port}"
+    decode.scheduler.add_request(make_request("d0", list(range(3, 35)), 60))  # computed here
+    decode.step(monkeypatch)
+    legs = {r: TransferParams(f"kvp-{r}", "decode", Mode.PUSH, peer).to_params() for r in "12"}
+    decode.scheduler.add_request(make_request("d1", list(range(3, 43)), 4, legs["1"]))
+    decode.step(monkeypatch)  # d1 registers: the first leg to this prefill dials it (a hop)
+    hops = 0
+    real_call = BlockingPortal.call
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal hops
+        hops += 1
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockingPortal, "call", counted)
+    for i in range(30):
+        if i == 10:  # another leg to the same prefill, mid-way
+            decode.scheduler.add_request(make_request("d2", list(range(5, 45)), 4, legs["2"]))
+        out = decode.step(monkeypatch)
+        assert out.num_scheduled_tokens.get("d0") == 1, out.num_scheduled_tokens
+    monkeypatch.setattr(BlockingPortal, "call", real_call)
+    for r in ("d1", "d2"):
+        assert decode.scheduler.requests[r].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert hops == 0, f"{hops} round trips to the runtime's thread in 30 decode steps"
+    assert not prefill.connector.has_pending_push_work()  # it computed nothing yet
 
 
 def test_stats_and_prometheus_hooks(make_scheduler: Any) -> None:

@@ -1,0 +1,98 @@
+"""A decode's own threads cost its engine nothing while nothing is in flight.
+
+The worker's data-plane thread shares its process, the GIL and (on CPU) the
+core with the engine's forward. It used to poll NIXL every 0.2 ms forever;
+now it polls only while a transfer of its instance is open (a registration
+waiting for its bytes, a source a peer may read) and sleeps on its command
+queue otherwise. Real NIXL (UCX on loopback), the connector's two halves
+stepped the way vLLM steps them (``test_vllm_sides.Instance``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nixl._api", reason="NIXL is not installed (make test installs it)")
+
+from test_vllm_sides import Instance, blocks_of, free_port, run_until
+
+from kvpush.protocol import Mode, Role
+from kvpush_nixl import NixlTransport
+from kvpush_vllm._params import TransferParams
+
+#: The engine's step cadence in these tests, and how long each quiet window is.
+STEP, WINDOW = 0.005, 0.4
+
+
+class CountingTransport:
+    """A NixlTransport whose polls are counted (every other call passes through)."""
+
+    def __init__(self, agent: str) -> None:
+        self._inner = NixlTransport(agent)
+        self._lock = threading.Lock()
+        self.polls = 0
+
+    def poll(self) -> Any:
+        with self._lock:
+            self.polls += 1
+        return self._inner.poll()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def polls_over(inst: Instance, transport: CountingTransport, seconds: float) -> int:
+    """Step ``inst`` like an engine for ``seconds``; the polls meanwhile."""
+    before = transport.polls
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        inst.step()
+        time.sleep(STEP)
+    return transport.polls - before
+
+
+def test_a_decode_worker_polls_only_while_a_transfer_is_open() -> None:
+    made: list[CountingTransport] = []
+
+    def counting(agent: str) -> CountingTransport:
+        made.append(CountingTransport(agent))
+        return made[-1]
+
+    prefill = Instance(Role.PRODUCER, 1, port=free_port())
+    decode = Instance(Role.CONSUMER, 1, transport=counting)
+    (transport,) = made
+    try:
+        polls_over(decode, transport, 0.1)  # start-up settles
+        # Nothing open: not one poll (before, one every 0.2 ms: ~2,000 here).
+        idle = polls_over(decode, transport, WINDOW)
+        assert idle == 0, f"{idle} polls in {WINDOW} s with no transfer open"
+
+        # A registration whose prefill is still computing: bytes may come.
+        peer = prefill.config.engine_id
+        params = TransferParams("kvp-quiet", "decode", Mode.PUSH, peer)
+        decode.sched.reserve("d-quiet", params, [3, 4], 0)
+        waiting = polls_over(decode, transport, WINDOW)
+        # Every 0.5 ms at most (a late poll only lowers it); a margin for the
+        # 50 us polls right after the metadata's command.
+        assert 0 < waiting <= WINDOW / 0.0005 * 1.25 + 40, waiting
+
+        # The KV lands; once the transfer is closed the thread sleeps again.
+        prefill_leg = TransferParams("kvp-quiet", "prefill", Mode.PUSH, "decode")
+        src = [1, 2]
+        for t in prefill.tensors:
+            for layer_tensor in t.values():
+                layer_tensor.arr[:, src] = 1.5
+        assert prefill.sched.kv_ready("p-quiet", prefill_leg, src)
+        run_until([prefill, decode], lambda: "d-quiet" in decode.seen.recving)
+        assert "d-quiet" not in decode.seen.failed
+        assert (blocks_of(decode, 0, [3, 4]) == 1.5).all()
+        polls_over(decode, transport, 0.05)  # the closing step and the busy window
+        after = polls_over(decode, transport, WINDOW)
+        assert after == 0, f"{after} polls in {WINDOW} s after the transfer closed"
+    finally:
+        prefill.close()
+        decode.close()
