@@ -541,8 +541,9 @@ def waiting_cost(mode: Mode, meter: CpuMeter, n: int, seconds: float) -> dict[st
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=seconds + 60)
         with lock:
             conns.append(conn)
-        # The hang-up below ends these reads mid-stream (OSError, or a torn chunk).
-        with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
+        # The hang-up below ends these reads mid-stream (OSError, a torn chunk, or
+        # http.client closing a response another thread already closed).
+        with contextlib.suppress(OSError, ValueError, AttributeError, http.client.HTTPException):
             conn.request("POST", "/v1/completions", json.dumps(body).encode(),
                          {"Content-Type": "application/json"})  # fmt: skip
             conn.getresponse().read()

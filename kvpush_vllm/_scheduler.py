@@ -65,6 +65,7 @@ from ._bridge import Outbound, WorkerBridge
 from ._config import ConnectorConfig
 from ._contract import host_port
 from ._discovery import Registrar, registration
+from ._doorbell import Doorbell
 from ._params import TransferParams
 from ._tensors import token_scale
 
@@ -137,6 +138,10 @@ class SchedulerSide:
         self._registrar: Registrar | None = None
         #: Prefill -> the address its channel route was given (``_route``).
         self._routes: dict[str, tuple[str, int]] = {}
+        #: Decode: what the workers ring when they have results (``_idle_wait``).
+        self._doorbell: Doorbell | None = None
+        if role is Role.CONSUMER and config.idle_wait > 0:
+            self._doorbell = Doorbell(config.host)
 
     # --- set-up ------------------------------------------------------------------
 
@@ -222,7 +227,14 @@ class SchedulerSide:
                 return {"held": ep.held_blocks}
             return {"reserved": ep.reserved_blocks, "suspect": ep.suspect_blocks}
 
+    @property
+    def doorbell(self) -> tuple[str, int] | None:
+        """Where the workers ring when they have results (None: nowhere)."""
+        return None if self._doorbell is None else self._doorbell.address
+
     def close(self) -> None:
+        if self._doorbell is not None:
+            self._doorbell.close()
         registrar, self._registrar = self._registrar, None
         if registrar is not None:
             registrar.close()
@@ -374,7 +386,7 @@ class SchedulerSide:
 
     def _should_wait(self) -> bool:
         """A decode whose only work is loads in flight, nothing to report."""
-        if self.role is not Role.CONSUMER or self.config.idle_wait <= 0 or self._reports:
+        if self._doorbell is None or self._reports:
             return False
         return any(tr.state == "loading" for tr in self._by_key.values())
 
@@ -385,14 +397,17 @@ class SchedulerSide:
         1 ms nap between empty steps: each is a schedule, a round trip to the
         worker processes and back. On CPU that costs the decode more than a
         core (``benchmarks/vllm_peer.py``, ``waiting_for_kv``), taken from the
-        prefill it waits for. Waiting here instead, woken by the control
-        channel, caps the rate of empty steps; a Ready or a read to post goes
-        on within ``_SLICE``. The cost: a worker's result (a push notice) waits
-        for the step to end, up to ``idle_wait`` later."""
+        prefill it waits for. Waiting here instead caps the rate of empty
+        steps. It ends at once when a worker rings (``_doorbell.py``: it has a
+        result, a push notice or a read done, that reaches this side only with
+        the step's output), and within ``_SLICE`` on an event or a transfer to
+        ship (a pull's Announce)."""
+        assert self._doorbell is not None  # _should_wait
         deadline = time.monotonic() + self.config.idle_wait
         while (left := deadline - time.monotonic()) > 0 and not self.bridge.has_actions():
-            events = sync.wait_events(min(left, _SLICE))
-            if events:
+            rung = self._doorbell.wait(min(left, _SLICE))
+            events = sync.events()
+            if events or rung:
                 return events
         return []
 

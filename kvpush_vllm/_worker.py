@@ -29,6 +29,8 @@ from kvpush.runtime import (
     encode_rank,
 )
 
+from ._doorbell import Bell
+
 __all__ = ("WorkerSide",)
 
 
@@ -48,6 +50,7 @@ class WorkerSide:
         self.blob: bytes | None = None
         self._reported = {"posted": 0, "failed": 0, "bytes": 0, "notices": 0}
         self._notices = 0
+        self._bell = Bell()
 
     def register(self, layout: KVLayout) -> bytes:
         """Register this rank's KV and start the data plane; returns the rank's
@@ -80,9 +83,12 @@ class WorkerSide:
         actions: Sequence[StartWrite | StartRead],
         peers: Sequence[PeerRanks],
         expecting: bool,
+        doorbell: tuple[str, int] | None = None,
     ) -> None:
         """Apply one step's metadata: new peers first, then our actions;
-        ``expecting``: a transfer is open (the data plane polls only then)."""
+        ``expecting``: a transfer is open (the data plane polls only then);
+        ``doorbell``: where to ring when results come (``_doorbell.py``)."""
+        self._bell.aim(doorbell)
         dp = self._dataplane
         if dp is None:
             if actions:
@@ -124,6 +130,7 @@ class WorkerSide:
         if dp is not None:
             dp.stop()
         self._transport.close()
+        self._bell.close()
 
     def _serves(self, action: StartWrite | StartRead) -> bool:
         route = action.route
@@ -151,6 +158,7 @@ class WorkerSide:
         with self._lock:
             self._results.extend(results)
             self._notices += sum(isinstance(r, NoticeIn) for r in results)
+        self._bell.ring()
 
     def _fail(self, actions: Sequence[StartWrite | StartRead], why: str) -> None:
         self._collect([OpResult(a, why) for a in actions if self._serves(a)])

@@ -75,6 +75,8 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
     #: A transfer of this instance is open: a peer may move bytes to or from
     #: the workers' KV (their data planes poll only then: ``DataPlane.expect``).
     expecting: bool = False
+    #: Decode: the scheduler side's doorbell, rung by a worker with results.
+    doorbell: tuple[str, int] | None = None
 
 
 @dataclass
@@ -243,6 +245,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             progress,
             scheduled,
             self._sched.expecting(),
+            self._sched.doorbell,
         )
 
     def _prefill_preempted(self, req_id: str) -> None:
@@ -357,7 +360,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._clock.scheduled(connector_metadata.scheduled)
         if self._worker is not None:
             meta = connector_metadata
-            self._worker.step(meta.actions, meta.peers, meta.expecting)
+            self._worker.step(meta.actions, meta.peers, meta.expecting, meta.doorbell)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Nothing: transfers run on the data-plane thread, off the forward path."""

@@ -96,3 +96,46 @@ def test_a_decode_worker_polls_only_while_a_transfer_is_open() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def test_an_idle_decode_step_ends_when_its_worker_has_the_notice() -> None:
+    """A decode that only waits for its KV waits in its empty steps (idle_wait,
+    0.5 s here). The push notice lands in the *worker*, which reaches the
+    scheduler only with the step's output: the worker rings the scheduler
+    side's doorbell, so the wait ends when the notice is in, and the load is
+    heard in that step. Before, the step waited out the whole idle_wait."""
+    prefill = Instance(Role.PRODUCER, 1, port=free_port())
+    decode = Instance(Role.CONSUMER, 1, idle_wait=0.5)
+    try:
+        peer = prefill.config.engine_id
+        decode.sched.reserve(
+            "d-bell", TransferParams("kvp-bell", "decode", Mode.PUSH, peer), [5], 0
+        )
+        run_until([prefill, decode], lambda: bool(decode.sched._sync and decode.sched._key_of))
+        time.sleep(0.2)  # the registration is at the prefill; the decode's worker expects
+        decode.step()
+        assert prefill.sched.kv_ready(
+            "p-bell", TransferParams("kvp-bell", "prefill", Mode.PUSH, "decode"), [6]
+        )
+        stop = threading.Event()
+
+        def prefill_engine() -> None:  # the prefill steps on, in its own process
+            while not stop.is_set():
+                prefill.step()
+                time.sleep(0.002)
+
+        t = threading.Thread(target=prefill_engine, daemon=True)
+        t.start()
+        try:
+            t0 = time.monotonic()
+            decode.sched.step(idle=True)  # waits: the notice is not in yet
+            waited = time.monotonic() - t0
+        finally:
+            stop.set()
+            t.join(5)
+        assert waited < 0.4, f"the idle step waited {waited:.3f} s of its 0.5 s"
+        decode.step()  # the workers' output: the load is heard in this step
+        assert "d-bell" in decode.seen.recving and "d-bell" not in decode.seen.failed
+    finally:
+        prefill.close()
+        decode.close()

@@ -28,7 +28,7 @@ def worker_results(inst: Instance) -> list[Any]:
     out = inst.sched.bridge.take()
     results = []
     for w in inst.workers:
-        w.step(out.actions, out.peers, inst.sched.expecting())
+        w.step(out.actions, out.peers, inst.sched.expecting(), inst.sched.doorbell)
         results += w.take_results()
     return results
 

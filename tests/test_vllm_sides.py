@@ -155,7 +155,7 @@ class Instance:
         self.seen.failed.update(reports.failed)
         results = []
         for w in self.workers:
-            w.step(out.actions, out.peers, self.sched.expecting())
+            w.step(out.actions, out.peers, self.sched.expecting(), self.sched.doorbell)
             results += w.take_results()
         heard = self.sched.results(results)  # vLLM hears these in the same step
         self.seen.sending |= heard.sending
