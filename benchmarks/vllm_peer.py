@@ -175,8 +175,37 @@ def _nixl_engine(
     return e, {"engine_id": engine_id, "side_port": side}
 
 
+def pin_tree(e: Engine, core: str) -> None:
+    """Start ``e``'s whole process tree (API server, engine core, workers) on
+    ``core``: not only its workers' OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    e.proc.argv[:0] = ["taskset", "-c", core]
+
+
+def neighbours(n: int) -> list[Any]:
+    """``n`` CPU-heavy neighbours: busy-loop processes the OS places anywhere
+    (they share the engines' cores), started now; stop them with ``kill()``."""
+    import subprocess
+
+    code = "while True: pass"
+    return [
+        subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL) for _ in range(n)
+    ]
+
+
+def stop_all(procs: list[Any]) -> None:
+    while procs:
+        p = procs.pop()
+        p.kill()
+        p.wait()
+
+
 def build_modes(
-    names: Sequence[str], model: Path, logs: Path, bs: int, idle_wait: float = 0.01
+    names: Sequence[str],
+    model: Path,
+    logs: Path,
+    bs: int,
+    idle_wait: float = 0.01,
+    pin: str = "engines",
 ) -> dict[str, Mode]:
     buckets = json.dumps({"inter_token_latency": vllm_steps.ITL_BUCKETS})
     common = ["--no-enable-prefix-caching", "--custom-histogram-buckets", buckets]
@@ -236,6 +265,11 @@ def build_modes(
             f"nixl{tag}-d", cls, model, logs, bind="1", bs=bs, role="decode", common=common
         )
         modes[n] = Mode(n, [p, d], prefill=p, decode=d, extra=pinfo)
+    if pin == "engines":
+        for m in modes.values():
+            for e in m.engines:
+                if e.proc.argv[0] != "taskset":
+                    pin_tree(e, e.proc.env["VLLM_CPU_OMP_THREADS_BIND"])
     return modes
 
 
@@ -661,6 +695,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=5.0,
         help="seconds to measure the engines' CPU with 8 decode legs waiting for KV (0: skip)",
     )
+    ap.add_argument(
+        "--pin",
+        choices=("engines", "omp"),
+        default="engines",
+        help="engines: each engine's whole process tree on its core (taskset); omp: only "
+        "its workers' OpenMP threads (the API server and engine core float over both cores)",
+    )
+    ap.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        help="CPU-heavy busy-loop processes beside the engines while the rounds run",
+    )
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--work", type=Path, default=None, help="logs and model (default: a tmp dir)")
     args = ap.parse_args(argv)
@@ -686,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from e2e_lib import make_model
 
     model = make_model(work, "gqa-d64")
-    modes = build_modes(names, model, logs, args.block_size, args.idle_wait)
+    modes = build_modes(names, model, logs, args.block_size, args.idle_wait, args.pin)
     t_start = time.monotonic()
     waiting: dict[str, Any] | None = None
     #: (load, mode) -> results and the token engine's inter-token latencies.
@@ -695,6 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference: dict[tuple[str, int, int], list[int] | None] = {}
     pinned: dict[str, dict[str, int]] = {}
     meter: CpuMeter | None = None
+    busy: list[Any] = []
     startup = 0.0
     try:
         start(modes, args.startup_timeout)
@@ -721,6 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pinned = {e.name: affinity(e) for e in engines}
         with meter.window("idle"):
             time.sleep(args.idle_seconds)
+        busy = neighbours(args.neighbours)
         for rnd in range(args.rounds):
             rng = random.Random(args.seed * 1000 + rnd)
             for load in loads:
@@ -749,11 +798,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         if m.name == "plain":
                             reference[(load, rnd, i)] = r.token_ids if r.ok else None
                     time.sleep(1.0)
+        stop_all(busy)
         kv = next((m for m in live if m.name in ("kvpush-push", "kvpush-pull")), None)
         if kv is not None and args.waiting_seconds > 0:
             waiting = waiting_cost(kv, meter, 8, args.waiting_seconds)
             log(f"waiting for remote KV: {waiting['cpu']}")
     finally:
+        stop_all(busy)
         wall = time.monotonic() - t_start
         stop(modes)
 
@@ -769,6 +820,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "qps": args.qps,
             "block_size": args.block_size,
             "idle_wait": args.idle_wait,
+            "pin": args.pin,
+            "neighbours": args.neighbours,
             "seed": args.seed,
             "cpus": os.cpu_count(),
         },

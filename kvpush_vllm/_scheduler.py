@@ -21,6 +21,16 @@ What vLLM hears, and when:
   blocks are kept (``request_finished`` returns delay-free) until
   ``Released`` -> ``finished_sending`` (the path vLLM frees them on).
 * prefill, ``SourceReleased``: every write settled -> ``finished_sending``.
+
+When: in the step whose workers' results settled it (:meth:`SchedulerSide.results`,
+from ``update_connector_output``, which vLLM calls before it reads the step's
+finished sets), else with the next step's metadata through the workers (an
+event the loop produced on its own: a deadline, a frame; and every load
+error, which vLLM reads before ``update_connector_output``).
+
+Threads: vLLM's scheduler thread runs the core itself, under the runtime's
+lock (``EndpointRuntime``), and never waits for the runtime's loop; the first
+leg to a new prefill is the one hop onto it (the channel's route).
 """
 
 from __future__ import annotations

@@ -303,8 +303,9 @@ class EndpointRuntime(Generic[E]):
         """After any input: drain the endpoint's outputs, and wake the timer
         task if the endpoint's next deadline is now earlier than the one it
         sleeps towards (a later one it finds when it wakes: one wake-up per
-        deadline, not per input). Off the loop's thread it only wakes the
-        loop, which does both (the channel and the timer are the loop's)."""
+        deadline, not per input). Off the loop's thread the drain happens
+        here and the loop is woken to send the frames and re-arm the timer
+        (the channel and the timer are the loop's)."""
         with self.lock:
             self._drain()
             deadline = self.endpoint.next_deadline()
