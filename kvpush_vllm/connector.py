@@ -29,8 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.request import RequestStatus
 
 from kvpush.protocol import Codec, ConfigError, Mode, Role, StartRead, StartWrite
 from kvpush.runtime import PeerRanks, Result, decode_rank
@@ -387,8 +389,6 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return set(meta.finished_sending) or None, set(meta.finished_recving) or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
         meta = self._bound()
         if meta is None:
             return KVConnectorTransferResults()
@@ -444,6 +444,4 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 def _finished_normally(request: Any) -> bool:
     """Finished by length or stop (not aborted): its KV is complete."""
-    from vllm.v1.request import RequestStatus
-
     return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
