@@ -254,6 +254,8 @@ class EndpointRuntime(Generic[E]):
         self._loop_thread: int | None = None
         #: Frames the core emitted, in order, for the loop to hand the channel.
         self._sends: collections.deque[Send] = collections.deque()
+        #: Tasks waiting in :meth:`next_events`.
+        self._async_waiters = 0
         self._rearm = anyio.Event()
         self._armed = math.inf  # the deadline the timer task sleeps towards
         self.timer_wakeups = 0
@@ -304,14 +306,18 @@ class EndpointRuntime(Generic[E]):
         task if the endpoint's next deadline is now earlier than the one it
         sleeps towards (a later one it finds when it wakes: one wake-up per
         deadline, not per input). Off the loop's thread the drain happens
-        here and the loop is woken to send the frames and re-arm the timer
-        (the channel and the timer are the loop's)."""
+        here, and the loop is woken only if it has work: frames to send, an
+        earlier deadline to arm, an event for a task in :meth:`next_events`
+        (the channel, the timer and anyio's events are the loop's). A wake-up
+        for nothing would cost the caller's process a GIL handoff."""
         with self.lock:
             self._drain()
             deadline = self.endpoint.next_deadline()
+            work = bool(self._sends) or (self._events and self._async_waiters > 0)
         if threading.get_ident() != self._loop_thread:
             wakeup = self._wakeup
-            if wakeup is not None:  # not running: run() kicks when it starts
+            earlier = deadline is not None and deadline < self._armed
+            if wakeup is not None and (work or earlier):  # not running: run() kicks
                 wakeup.set()
             return
         self._flush()
@@ -400,10 +406,14 @@ class EndpointRuntime(Generic[E]):
 
     async def next_events(self, timeout: float) -> list[Event]:
         """Wait up to ``timeout`` seconds for at least one event."""
-        with anyio.move_on_after(timeout):
-            while not self._events:
-                self._have_events = anyio.Event()
-                await self._have_events.wait()
+        self._async_waiters += 1
+        try:
+            with anyio.move_on_after(timeout):
+                while not self._events:
+                    self._have_events = anyio.Event()
+                    await self._have_events.wait()
+        finally:
+            self._async_waiters -= 1
         return self.events_nowait()
 
     def wait_events(self, timeout: float) -> list[Event]:
