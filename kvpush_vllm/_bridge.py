@@ -9,13 +9,13 @@ the pump's :class:`~kvpush.runtime.DataPlaneLike`: a ``StartWrite`` or
 ``build_connector_meta`` ships it to the workers (the rank that serves its
 route posts it on its own :class:`~kvpush.runtime.DataPlane`); their results
 and the completion notices they received come back through
-``update_connector_output`` and are fed to the pump as if a local data plane
-had produced them.
+``update_connector_output``, where the scheduler side feeds them to the core
+itself (``SchedulerSide.results``).
 
-Threads: the pump calls :meth:`submit` and :meth:`add_peer` on its event-loop
-thread; vLLM calls :meth:`take` and :meth:`deliver` on the scheduler thread.
-One lock guards the queues; :meth:`deliver` hands results to the pump's
-``post_results``, which is itself thread-safe and never waits.
+Threads: the pump calls :meth:`submit` and :meth:`add_peer` from whichever
+thread fed the core (its loop, or vLLM's scheduler thread calling the core
+under the runtime's lock); vLLM calls :meth:`take` on the scheduler thread.
+One lock guards the queues.
 """
 
 from __future__ import annotations
@@ -102,7 +102,3 @@ class WorkerBridge:
         with self._lock:
             return list(self._peers.values())
 
-    def deliver(self, results: list[Result]) -> None:
-        """Results the workers reported (scheduler thread) into the pump."""
-        if results and self._on_results is not None:
-            self._on_results(results)

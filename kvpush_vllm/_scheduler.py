@@ -431,8 +431,7 @@ class SchedulerSide:
         notice reached a worker during step N is scheduled in step N+1, not a
         round trip through the workers later (N+2). A failed load stays on the
         workers' path: vLLM reads load errors before this call."""
-        if self._sync is None:
-            self.bridge.deliver(results)  # the bridge fails them (not started)
+        if self._sync is None:  # not started: no transfer was ever shipped
             return Reports()
         rt = self._sync.runtime
         rt.feed(results)
