@@ -739,6 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     #: (load, mode) -> results and the token engine's inter-token latencies.
     results: dict[tuple[str, str], list[tuple[int, int, Result]]] = {}
     itl: dict[tuple[str, str], dict[str, Any]] = {}
+    #: "load:mode" -> the (start, end) of its batches, time.monotonic().
+    windows: dict[str, list[tuple[float, float]]] = {}
     reference: dict[tuple[str, int, int], list[int] | None] = {}
     pinned: dict[str, dict[str, int]] = {}
     meter: CpuMeter | None = None
@@ -788,6 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         t = time.monotonic()
                         rs = batch(m, ps, args.output_tokens, offsets)
                         took = time.monotonic() - t
+                    windows.setdefault(f"{load}:{m.name}", []).append((t, t + took))
                     after = vllm_steps.histogram(metrics(token_engine.url))
                     key = (load, m.name)
                     itl[key] = vllm_steps.merge(itl.get(key), vllm_steps.itl_delta(before, after))
@@ -831,6 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "skipped": {n: m.skipped for n, m in modes.items() if m.skipped},
         "loads": {},
         "connector_per_step": vllm_steps.step_summary(logs / f for f in STEPS),
+        "connector_per_step_by_mode": vllm_steps.by_window((logs / f for f in STEPS), windows),
         "waiting_for_kv": waiting,
     }
     assert meter is not None

@@ -17,6 +17,7 @@ histogram, and the connector's cost per engine step from ``step_profile_file``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -24,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ("ITL", "ITL_BUCKETS", "histogram", "itl_delta", "step_summary")
+__all__ = ("ITL", "ITL_BUCKETS", "by_window", "histogram", "itl_delta", "step_summary")
 
 ITL = "vllm:inter_token_latency_seconds"
 #: 0.25 ms to 10 s, x1.25 apart (a median good to a few percent).
@@ -141,6 +142,34 @@ def _figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
         },
         "calls_per_step": {m: round(v / n, 2) for m, v in sorted(calls.items())},
     }
+
+
+def by_window(
+    paths: Iterable[Path], windows: Mapping[str, list[tuple[float, float]]]
+) -> dict[str, Any]:
+    """Per window label (a load and a mode): per side and role, the busy
+    steps that ended inside its windows (``time.monotonic()``), with the
+    engine's step cadence (``step_interval_ms``: the p50 gap between two
+    consecutive busy steps of one process)."""
+    lines = _read(paths)
+    out: dict[str, Any] = {}
+    for label, spans in windows.items():
+        inside = [ln for ln in lines if any(a <= ln["t"] <= b for a, b in spans)]
+        by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for line in inside:
+            if line["scheduled"] > 0:
+                by.setdefault((line["side"], line["role"]), []).append(line)
+        for (side, role), steps in sorted(by.items()):
+            entry = _figures(steps)
+            gaps = [
+                (b["t"] - a["t"]) * 1000
+                for a, b in itertools.pairwise(steps)
+                if a["pid"] == b["pid"]
+            ]
+            if gaps:
+                entry["step_interval_ms"] = round(_pct(gaps, 0.5), 3)
+            out.setdefault(label, {}).setdefault(side, {})[role] = entry
+    return out
 
 
 def step_summary(paths: Iterable[Path], min_scheduled: int = 32) -> dict[str, Any]:

@@ -2,18 +2,21 @@
 
 With ``step_profile_file`` set, every call vLLM makes into a connector
 instance is timed (``time.perf_counter_ns``), and one JSON line per step
-cycle is appended to the file: the instance's side and role, the number of
-requests vLLM scheduled in that step, the nanoseconds spent in each method
-since the previous step began, how many times each ran, and the round trips
-to the runtime's thread (``hops``: calls that waited for another thread). A
-cycle starts at ``build_connector_meta`` (scheduler) or
-``bind_connector_metadata`` (worker), so a line also holds the end of the
-step before (``update_connector_output``, ``request_finished``,
-``get_finished``, ...). ``benchmarks/vllm_peer.py`` sums them per step.
+cycle is appended to the file: when the cycle ended (``t``,
+``time.monotonic()``, one clock for every process of a host, so that a
+benchmark can tell which of its windows a step ran in), the instance's side
+and role, the number of requests vLLM scheduled in that step, the
+nanoseconds spent in each method since the previous step began, how many
+times each ran, and the round trips to the runtime's thread (``hops``: calls
+that waited for another thread). A cycle starts at ``build_connector_meta``
+(scheduler) or ``bind_connector_metadata`` (worker), so a line also holds
+the end of the step before (``update_connector_output``,
+``request_finished``, ``get_finished``, ...). ``benchmarks/vllm_peer.py``
+sums them per step.
 
 Lines are buffered and written every :data:`FLUSH_EVERY` steps (or second)
-and at shutdown, so the profile costs an append per call. Off (the default), the
-connector's methods are not wrapped at all.
+and at shutdown, so the profile costs an append per call. Off (the
+default), the connector's methods are not wrapped at all.
 """
 
 from __future__ import annotations
@@ -68,9 +71,8 @@ class StepClock:
         self._n: dict[str, int] = {}
         self._hops_at = 0
         self._scheduled = 0
-        self._started = time.monotonic()
         self._lines: list[str] = []
-        self._flushed = self._started
+        self._flushed = time.monotonic()
 
     def wrap(self, target: object, names: tuple[str, ...], boundary: str) -> None:
         """Replace each method ``names`` of ``target`` with a timed one;
@@ -104,7 +106,7 @@ class StepClock:
             ns, n, self._ns, self._n = self._ns, self._n, {}, {}
             line = {
                 **self._head,
-                "t": round(time.monotonic() - self._started, 6),
+                "t": round(time.monotonic(), 6),
                 "scheduled": self._scheduled,
                 "ns": ns,
                 "calls": n,
