@@ -81,6 +81,8 @@ NIXL_CLASS = {"nixl-pull": "NixlConnector", "nixl-push": "NixlPushConnector"}
 TIMELINES = ("timeline-prefill.jsonl", "timeline-decode.jsonl", "timeline-router.jsonl")
 #: The kvpush engines' per-step connector profiles (``step_profile_file``).
 STEPS = ("steps-prefill.jsonl", "steps-decode.jsonl")
+#: The side in a profile -> the kvpush engine's name.
+KVPUSH_ENGINE = {"prefill": "kvpush-p", "decode": "kvpush-d"}
 LOADS = ("poisson", "burst")
 
 
@@ -371,25 +373,41 @@ def affinity(e: Engine) -> dict[str, int]:
     return out
 
 
+def thread_seconds(pid: int, tid: int) -> float:
+    """User + system CPU seconds of one thread (0 once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class CpuMeter:
-    """Accumulates each engine's CPU seconds over labelled wall-clock windows."""
+    """Accumulates each engine's CPU seconds over labelled wall-clock windows,
+    and each of kvpush's threads' (``threads``: name -> (pid, thread id))."""
 
     def __init__(self, engines: Sequence[Engine]) -> None:
         self.engines = list({id(e): e for e in engines}.values())
-        self.cpu: dict[tuple[str, str], float] = {}  # (engine, label) -> cpu s
+        self.threads: dict[str, tuple[int, int]] = {}
+        self.cpu: dict[tuple[str, str], float] = {}  # (engine or thread, label) -> cpu s
         self.wall: dict[tuple[str, str], float] = {}
+
+    def _sample(self) -> dict[str, float]:
+        now = {e.name: cpu_seconds(e) for e in self.engines}
+        now.update({name: thread_seconds(*ids) for name, ids in self.threads.items()})
+        return now
 
     @contextlib.contextmanager
     def window(self, label: str):  # type: ignore[no-untyped-def]
-        before = {e.name: cpu_seconds(e) for e in self.engines}
+        before = self._sample()
         t = time.monotonic()
         try:
             yield
         finally:
             wall = time.monotonic() - t
-            for e in self.engines:
-                k = (e.name, label)
-                self.cpu[k] = self.cpu.get(k, 0.0) + cpu_seconds(e) - before[e.name]
+            for name, seconds in self._sample().items():
+                k = (name, label)
+                self.cpu[k] = self.cpu.get(k, 0.0) + seconds - before.get(name, seconds)
                 self.wall[k] = self.wall.get(k, 0.0) + wall
 
     def share(self, name: str, label: str) -> float | None:
@@ -600,8 +618,8 @@ def waiting_cost(mode: Mode, meter: CpuMeter, n: int, seconds: float) -> dict[st
         "requests": n,
         "seconds": seconds,
         "cpu": {
-            e.name: {"idle": meter.share(e.name, "idle"), "waiting": meter.share(e.name, "waiting")}
-            for e in mode.engines
+            name: {"idle": meter.share(name, "idle"), "waiting": meter.share(name, "waiting")}
+            for name in [e.name for e in mode.engines] + sorted(meter.threads)
         },
     }
 
@@ -767,7 +785,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         LIMITS["request"] = args.timeout
         live = [m for m in live if not m.skipped]
-        time.sleep(2.0)
+        time.sleep(1.5)
+        # Once more after the profiles' one-second flush: it names kvpush's threads.
+        for m in live:
+            if m.name in ("kvpush-push", "kvpush-pull"):
+                send(m, warm, 2)
+        time.sleep(1.5)
+        meter.threads = {
+            f"{KVPUSH_ENGINE[name.split(':')[0]]}:{name}": ids
+            for name, ids in vllm_steps.kvpush_threads(logs / f for f in STEPS).items()
+        }
         pinned = {e.name: affinity(e) for e in engines}
         with meter.window("idle"):
             time.sleep(args.idle_seconds)
@@ -902,6 +929,14 @@ def _load_figures(
                     "idle": meter.share(e.name, "idle"),
                     "load": meter.share(e.name, f"load:{load}:{name}"),
                     "threads_by_affinity": pinned.get(e.name, {}),
+                    "kvpush_threads": {
+                        t.removeprefix(f"{e.name}:"): {
+                            "idle": meter.share(t, "idle"),
+                            "load": meter.share(t, f"load:{load}:{name}"),
+                        }
+                        for t in meter.threads
+                        if t.startswith(f"{e.name}:")
+                    },
                 }
                 for e in m.procs()
             },

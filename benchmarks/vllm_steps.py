@@ -25,7 +25,15 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ("ITL", "ITL_BUCKETS", "by_window", "histogram", "itl_delta", "step_summary")
+__all__ = (
+    "ITL",
+    "ITL_BUCKETS",
+    "by_window",
+    "histogram",
+    "itl_delta",
+    "kvpush_threads",
+    "step_summary",
+)
 
 ITL = "vllm:inter_token_latency_seconds"
 #: 0.25 ms to 10 s, x1.25 apart (a median good to a few percent).
@@ -99,16 +107,29 @@ def itl_figures(h: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def _read(paths: Iterable[Path]) -> list[dict[str, Any]]:
+def kvpush_threads(paths: Iterable[Path]) -> dict[str, tuple[int, int]]:
+    """``"side:role:thread"`` -> (pid, OS thread id) of kvpush's threads, from
+    the profiles' ``threads`` lines (the latest per process)."""
+    out: dict[str, tuple[int, int]] = {}
+    for line in _read(paths, kind="threads"):
+        for name, tid in line["threads"].items():
+            out[f"{line['side']}:{line['role']}:{name}"] = (line["pid"], tid)
+    return out
+
+
+def _read(paths: Iterable[Path], kind: str | None = None) -> list[dict[str, Any]]:
+    """The profiles' step lines (``kind`` None), or their lines of ``kind``."""
     lines = []
     for path in paths:
         if not path.exists():
             continue
         for raw in path.read_text().splitlines():
             try:
-                lines.append(json.loads(raw))
+                line = json.loads(raw)
             except ValueError:
                 continue
+            if line.get("kind") == kind:
+                lines.append(line)
     return lines
 
 

@@ -101,4 +101,3 @@ class WorkerBridge:
         """Every peer's ranks so far (for a worker that joins late)."""
         with self._lock:
             return list(self._peers.values())
-

@@ -199,6 +199,12 @@ class SchedulerSide:
             message = registration(self.role is Role.PRODUCER, http, self.control_address())
             self._registrar = Registrar(router, message)
 
+    def threads(self) -> dict[str, int]:
+        """kvpush's threads in this process: name -> OS thread id."""
+        if self._sync is None or self._sync.runtime.native_id is None:
+            return {}
+        return {"runtime": self._sync.runtime.native_id}
+
     @property
     def round_trips(self) -> int:
         """Calls so far that waited for the runtime's thread."""

@@ -15,8 +15,11 @@ the end of the step before (``update_connector_output``,
 sums them per step.
 
 Lines are buffered and written every :data:`FLUSH_EVERY` steps (or second)
-and at shutdown, so the profile costs an append per call. Off (the
-default), the connector's methods are not wrapped at all.
+and at shutdown, so the profile costs an append per call. Each write adds a
+``"threads"`` line: the OS ids of kvpush's threads in the process (the
+runtime's loop, the data plane), so a benchmark can read what they take from
+the engine (``/proc/PID/task/TID/stat``), idle and with transfers in
+flight. Off (the default), the connector's methods are not wrapped at all.
 """
 
 from __future__ import annotations
@@ -62,10 +65,18 @@ FLUSH_EVERY = 256
 class StepClock:
     """Times the methods of one connector instance, one line per step."""
 
-    def __init__(self, path: str, side: str, role: str, hops: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        path: str,
+        side: str,
+        role: str,
+        hops: Callable[[], int],
+        threads: Callable[[], dict[str, int]],
+    ) -> None:
         self._path = path
         self._head = {"side": side, "role": role, "pid": os.getpid()}
         self._hops = hops
+        self._threads = threads
         self._lock = threading.Lock()
         self._ns: dict[str, int] = {}
         self._n: dict[str, int] = {}
@@ -124,6 +135,16 @@ class StepClock:
     def flush(self) -> None:
         with self._lock:
             lines, self._lines = self._lines, []
-        if lines:
-            with open(self._path, "a", encoding="utf-8") as f:
-                f.write("\n".join(lines) + "\n")
+        if not lines:
+            return
+        threads = self._threads()
+        if threads:
+            line = {**self._head, "kind": "threads", "threads": threads}
+            lines.append(json.dumps(line, separators=(",", ":")))
+        # One write on an O_APPEND descriptor: the scheduler's and every
+        # worker's lines share the file, and must not interleave.
+        fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, ("\n".join(lines) + "\n").encode())
+        finally:
+            os.close(fd)

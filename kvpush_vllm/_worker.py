@@ -132,6 +132,13 @@ class WorkerSide:
         self._transport.close()
         self._bell.close()
 
+    def threads(self) -> dict[str, int]:
+        """kvpush's threads in this process: name -> OS thread id."""
+        dp = self._dataplane
+        if dp is None or dp.native_id is None:
+            return {}
+        return {"dataplane": dp.native_id}
+
     def _serves(self, action: StartWrite | StartRead) -> bool:
         route = action.route
         if self.role is Role.PRODUCER:

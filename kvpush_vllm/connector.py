@@ -154,10 +154,12 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         side = "prefill" if self._kv_role is Role.PRODUCER else "decode"
         if self._sched is not None:
             sched = self._sched
-            self._clock = StepClock(path, side, "scheduler", lambda: sched.round_trips)
+            self._clock = StepClock(
+                path, side, "scheduler", lambda: sched.round_trips, sched.threads
+            )
             self._clock.wrap(self, SCHEDULER_CALLS, "build_connector_meta")
         else:
-            self._clock = StepClock(path, side, "worker", lambda: 0)
+            self._clock = StepClock(path, side, "worker", lambda: 0, self._worker_threads)
             self._clock.wrap(self, WORKER_CALLS, "bind_connector_metadata")
 
     # ==================== scheduler side ====================
@@ -249,6 +251,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._sched.expecting(),
             self._sched.doorbell,
         )
+
+    def _worker_threads(self) -> dict[str, int]:
+        return {} if self._worker is None else self._worker.threads()
 
     def _prefill_preempted(self, req_id: str) -> None:
         """A progressive prefill lost its blocks: its increments are void."""

@@ -145,6 +145,8 @@ class DataPlane:
         self._expecting = expecting
         self._expect_sent = expecting
         self.polls = 0
+        #: The thread's OS id (``threading.get_native_id``), once it runs.
+        self.native_id: int | None = None
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._peers: dict[str, PeerRanks] = {}
         self._agents: dict[tuple[str, int], str] = {}
@@ -231,6 +233,7 @@ class DataPlane:
     # --- the thread -----------------------------------------------------------
 
     def _run(self) -> None:
+        self.native_id = threading.get_native_id()
         command: tuple[str, object] | None = None
         try:
             while not self._stop.is_set():

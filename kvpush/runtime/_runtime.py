@@ -252,6 +252,8 @@ class EndpointRuntime(Generic[E]):
         #: Set while an event waits (:meth:`wait_events`, any thread).
         self._events_waiting = threading.Event()
         self._loop_thread: int | None = None
+        #: The loop thread's OS id (``threading.get_native_id``), once it runs.
+        self.native_id: int | None = None
         #: Frames the core emitted, in order, for the loop to hand the channel.
         self._sends: collections.deque[Send] = collections.deque()
         #: Tasks waiting in :meth:`next_events`.
@@ -274,6 +276,7 @@ class EndpointRuntime(Generic[E]):
     ) -> None:
         """Pump until cancelled."""
         self._loop_thread = threading.get_ident()
+        self.native_id = threading.get_native_id()
         with _Wakeup() as wakeup:
             self._wakeup = wakeup
             wakeup.set()  # results (and core calls) queued before we ran
