@@ -20,7 +20,17 @@ pytest.importorskip("nixl._api", reason="NIXL is not installed (make test instal
 
 from test_vllm_sides import Instance, blocks_of, free_port, run_until
 
-from kvpush.protocol import Mode, Role
+from kvpush.protocol import (
+    Codec,
+    HeadSlice,
+    Mode,
+    Role,
+    Route,
+    Source,
+    StartRead,
+    StartWrite,
+)
+from kvpush.runtime import DataPlane, OpResult, Rank
 from kvpush_nixl import NixlTransport
 from kvpush_vllm._params import TransferParams
 
@@ -139,3 +149,45 @@ def test_an_idle_decode_step_ends_when_its_worker_has_the_notice() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+class _IdleTransport:
+    """Just enough of a transport for a data plane that posts nothing itself."""
+
+    def register(self, layout: object) -> None:
+        pass
+
+    def poll(self) -> tuple[list[object], list[object]]:
+        return [], []
+
+
+def test_an_op_posted_as_the_data_plane_stops_is_reported_failed_once() -> None:
+    """``stop()`` lands while the thread posts an op. The thread then leaves
+    without polling (it may be sleeping on its queue otherwise), and the op
+    is reported failed exactly once: before, the thread handed the op it had
+    just posted back to its queue, and ``stop()`` reported it twice (once as
+    posted, once as queued)."""
+    reported: list[Any] = []
+    dp = DataPlane(Role.PRODUCER, {0: Rank(_IdleTransport(), None)}, 1, Codec())  # type: ignore[arg-type]
+    dp.bind(reported.extend)
+    posting, release = threading.Event(), threading.Event()
+
+    def post(action: StartWrite | StartRead) -> None:
+        dp._posted[(0, 1)] = (action, 0.0, 0.0, 0.0)  # posted: the transport has it
+        posting.set()
+        release.wait(5)
+
+    dp._post = post  # type: ignore[method-assign]
+    dp.start()
+    route = Route(Source(0), 0, HeadSlice(0, 1))
+    op = StartWrite("kvp-stop", 1, "decode", route, ((1,),), ((2,),), float("inf"), None)
+    dp.submit(op)
+    assert posting.wait(5)
+    stopper = threading.Thread(target=dp.stop)
+    stopper.start()
+    while not dp._stop.is_set():
+        time.sleep(0.001)
+    release.set()  # the post returns with stop() under way
+    stopper.join(5)
+    assert [r.action for r in reported if isinstance(r, OpResult)] == [op]
+    assert reported[0].error == "data plane stopped"

@@ -238,7 +238,10 @@ class DataPlane:
         try:
             while not self._stop.is_set():
                 results = self._take_commands(command)
+                command = None  # run: not to be handed back by the finally below
                 if self._stop.is_set():
+                    if results:
+                        self._on_results(results)
                     break
                 busy = bool(results)
                 self.polls += 1
@@ -258,7 +261,6 @@ class DataPlane:
                         notice = self.codec.decode_notice(n.payload)
                         results.append(NoticeIn(notice, self._senders.get(n.peer), now))
                     busy = busy or bool(completed or notices)
-                command = None
                 nap: float | None
                 if results:
                     self._on_results(results)
