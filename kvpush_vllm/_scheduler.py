@@ -327,7 +327,7 @@ class SchedulerSide:
                 return
             tr.state = "preempted"
             del self._key_of[req_id]
-        self._running()[0].runtime.preempt(key[0])
+        self._runtime().preempt(key[0])
 
     def finished_decode(self, req_id: str) -> bool:
         """vLLM finished the request; True if its blocks must wait (a load in flight)."""
@@ -341,7 +341,7 @@ class SchedulerSide:
             was, tr.state = tr.state, "aborted"
             if was != "loading":
                 return True  # failed: its blocks wait for Released
-        self._running()[0].runtime.abort(key[0])
+        self._runtime().abort(key[0])
         return True
 
     # --- prefill -----------------------------------------------------------------
@@ -360,18 +360,18 @@ class SchedulerSide:
             key = (params.transfer_id, 0)
             self._by_key[key] = _Transfer(req_id, list(blocks), "sending")
             self._key_of[req_id] = key
-        self._running()[0].runtime.kv_ready(params.transfer_id, [blocks])
+        self._runtime().kv_ready(params.transfer_id, [blocks])
         return True
 
     def kv_increment(self, transfer_id: str, blocks: list[int]) -> None:
         """Progressive push: the whole blocks a prefill computed so far."""
-        self._running()[0].runtime.kv_ready(transfer_id, [blocks], final=False)
+        self._runtime().kv_ready(transfer_id, [blocks], final=False)
 
     def abandon(self, req_id: str, params: TransferParams) -> None:
         """The prefill request ended without its KV (aborted): tell the decode
         now, if it registered already, rather than at its deadline."""
         self.breakdown.write(req_id, outcome="aborted")
-        self._running()[0].runtime.abort(params.transfer_id)
+        self._runtime().abort(params.transfer_id)
 
     def expecting(self) -> bool:
         """Whether a transfer is open (a load, a held source, blocks waiting
@@ -469,6 +469,10 @@ class SchedulerSide:
         if self._sync is None or self._channel is None:
             raise RuntimeError("kvpush: the workers have not registered their KV caches yet")
         return self._sync, self._channel
+
+    def _runtime(self) -> Any:
+        """The running endpoint runtime (its role methods are thread-safe)."""
+        return self._running()[0].runtime
 
     def _route(self, params: TransferParams) -> SyncRuntime[Any]:
         """Make sure the channel dials ``params.peer`` at its address: a hop

@@ -148,9 +148,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         #: ``step_profile_file``: vLLM's calls into this instance, timed per step.
         self._clock: StepClock | None = None
         if cfg.step_profile_file is not None:
-            self._profile(cfg.step_profile_file, role)
+            self._profile(cfg.step_profile_file)
 
-    def _profile(self, path: str, role: KVConnectorRole) -> None:
+    def _profile(self, path: str) -> None:
         side = "prefill" if self._kv_role is Role.PRODUCER else "decode"
         if self._sched is not None:
             sched = self._sched
