@@ -41,7 +41,7 @@ class ConnectorConfig:
     #: NIXL: backends (LIBFABRIC on EFA) and their init parameters.
     backends: tuple[str, ...] = ("UCX",)
     backend_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    #: Fields of ``_proven.PROVEN`` to run outside what make e2e proves (warned).
+    #: Fields of ``_proven.PROVEN`` to run outside what the tests prove (warned).
     allow_unproven: frozenset[str] = frozenset()
     #: A file to append one JSON line per transfer to: the per-request
     #: breakdown (``_breakdown.py``). None: off.

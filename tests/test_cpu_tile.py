@@ -93,7 +93,7 @@ class Side:
             for i, t in enumerate(self.tiles)
         }
         self.layout = layout_from_tensors(
-            self.fakes, block_size=bs, num_kv_heads=HEADS, head_size=hs
+            self.fakes, block_size=bs, num_kv_heads=HEADS, head_size=hs, platform="cpu"
         )
         self.facts = _facts(bs, hs, isa)
 
@@ -201,18 +201,18 @@ def test_kv_dtypes_of_one_size_are_refused_at_handshake() -> None:
 )  # fmt: skip
 def test_start_up_refuses_what_make_e2e_does_not_prove(field: str, facts: Facts) -> None:
     with pytest.raises(ConfigError, match=f"refuses {field} = ") as exc:
-        check_proven(facts.values(), (), "kv_consumer")
+        check_proven("cpu", facts.values(), (), "kv_consumer")
     assert f'"allow_unproven": ["{field}"]' in str(exc.value)
-    check_proven(facts.values(), (field,), "kv_consumer")  # acknowledged: a warning only
+    check_proven("cpu", facts.values(), (field,), "kv_consumer")  # acknowledged: a warning only
 
 
 def test_start_up_accepts_the_proven_envelope_and_refuses_other_layouts() -> None:
     for bs in (32, 64):
         for hs in (64, 128):
-            check_proven(_facts(bs, hs).values(), (), "kv_producer")
-    check_proven({"kv_layout": "cpu-tile"}, (), "rank 0")
+            check_proven("cpu", _facts(bs, hs).values(), (), "kv_producer")
+    check_proven("cpu", {"kv_layout": "cpu-tile"}, (), "rank 0")
     with pytest.raises(ConfigError, match="refuses kv_layout = split-NHD"):
-        check_proven({"kv_layout": "split-NHD"}, (), "rank 0")
+        check_proven("cpu", {"kv_layout": "split-NHD"}, (), "rank 0")
 
 
 def test_allow_unproven_takes_only_known_fields() -> None:

@@ -93,7 +93,9 @@ def test_config_parses_and_refuses_typos() -> None:
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 def test_layout_is_read_from_sizes_and_strides(order: str) -> None:
     tensors = kv_tensors(order)
-    layout = layout_from_tensors(tensors, block_size=BS, num_kv_heads=HEADS, head_size=HEAD)
+    layout = layout_from_tensors(
+        tensors, block_size=BS, num_kv_heads=HEADS, head_size=HEAD, platform="cuda"
+    )
     assert [(r.layer, r.kind) for r in layout.regions] == [(0, "K"), (0, "V"), (1, "K"), (1, "V")]
     t = tensors["model.layers.0.self_attn.attn"]
     k, v = layout.regions[:2]
@@ -105,7 +107,7 @@ def test_layout_is_read_from_sizes_and_strides(order: str) -> None:
         "model.layers.0.attn": FakeTensor(np.zeros((2, BLOCKS, BS, HEADS, HEAD))[:, :, ::1, :, :32])
     }
     with pytest.raises(ConfigError, match="no dimension order"):
-        layout_from_tensors(odd, block_size=BS, num_kv_heads=HEADS, head_size=32)
+        layout_from_tensors(odd, block_size=BS, num_kv_heads=HEADS, head_size=32, platform="cuda")
 
 
 def free_port() -> int:
@@ -140,6 +142,7 @@ class Instance:
                 num_kv_heads=heads,
                 head_size=HEAD,
                 head_start=r * heads,
+                platform="cuda",
             )
             w = WorkerSide(role, r, tp, Codec(), transport(f"{self.config.engine_id}-r{r}"))
             blobs[r] = w.register(layout)
@@ -271,26 +274,32 @@ def test_a_preempted_load_registers_again_under_a_new_epoch() -> None:
 
 def test_the_cpu_backends_k_then_v_tiles_are_one_region_of_virtual_tokens() -> None:
     """vLLM 0.33 on CPU: (blocks, heads, tokens, 2 x head_size), each (block,
-    head) tile K rows then V rows: one "KV" region, HND, 2 x block_size rows."""
+    head) tile K rows then V rows: one "tile" region, HND, 2 x block_size rows.
+    Only the platform tells it from vLLM 0.33's packed GPU view of the same shape."""
     arr = np.zeros((BLOCKS, HEADS, BS, 2 * HEAD), dtype=np.float32)
-    layout = layout_from_tensors(
-        {"model.layers.0.attn": FakeTensor(arr)}, block_size=BS, num_kv_heads=HEADS, head_size=HEAD
-    )
+    tensors = {"model.layers.0.attn": FakeTensor(arr)}
+    shape = {"block_size": BS, "num_kv_heads": HEADS, "head_size": HEAD}
+    (packed,) = layout_from_tensors(tensors, **shape, platform="cuda").regions
+    assert (packed.kind, packed.order, packed.tokens_per_block, packed.head_bytes) == (
+        "KV", HeadOrder.HND, BS, 2 * HEAD * 4,
+    )  # fmt: skip
+    layout = layout_from_tensors(tensors, **shape, platform="cpu")
     (r,) = layout.regions
     assert (r.kind, r.order, r.tokens_per_block, r.num_heads) == (
-        "KV",
+        "tile",
         HeadOrder.HND,
         2 * BS,
         HEADS,
     )
     assert r.block_len == arr[0].nbytes and r.stride == arr.strides[0]
     assert token_scale(layout, BS) == 2
-    with pytest.raises(ConfigError, match="4-D KV cache"):
+    with pytest.raises(ConfigError, match="refuses kv_layout: .* CPU backend's cache must be"):
         layout_from_tensors(
             {"model.layers.0.attn": FakeTensor(arr.transpose(0, 2, 1, 3))},
             block_size=HEADS,
             num_kv_heads=BS,
             head_size=HEAD,
+            platform="cpu",
         )
 
 
