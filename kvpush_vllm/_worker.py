@@ -10,6 +10,12 @@ rank descriptions go down, results and completion notices come back up.
 Every worker gets every action; it posts those whose route it serves (a
 producer rank posts the writes of its ``Source``, a consumer rank the reads
 of its ``consumer_rank``) and ignores the rest.
+
+The GPU ordering rule (docs/runtime.md): vLLM calls ``wait_for_save`` when
+the step's forward is *queued*. There :meth:`WorkerSide.computed` records a
+CUDA event on the forward's stream, and every write submitted after it waits
+on the data-plane thread for the latest event (stream order makes it cover
+every earlier step), never with a synchronize on the forward's thread.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Sequence
 from kvpush.protocol import Codec, KVLayout, MemoryType, Role, StartRead, StartWrite
 from kvpush.runtime import (
     DataPlane,
+    Fence,
     NoticeIn,
     OpResult,
     PeerRanks,
@@ -47,6 +54,8 @@ class WorkerSide:
         self._computed: list[tuple[int, str, int]] = []
         #: The KV lives on a CUDA device (set by :meth:`register`).
         self._cuda = False
+        #: The event recorded after the latest forward (CUDA only): writes wait for it.
+        self._fence: Fence | None = None
         self.blob: bytes | None = None
         self._reported = {"posted": 0, "failed": 0, "bytes": 0, "notices": 0}
         self._notices = 0
@@ -99,18 +108,19 @@ class WorkerSide:
             dp.add_peer(peer)
         for action in actions:
             if self._serves(action):
-                dp.submit(action)
+                dp.submit(action, self._fence if isinstance(action, StartWrite) else None)
 
     def computed(self, progress: Sequence[tuple[str, int]]) -> None:
-        """This rank's forward wrote the KV of ``progress`` (req id, tokens).
-        On a GPU the forward's kernels may still run: wait for the stream."""
+        """The step's forward is queued (``wait_for_save``): it writes the KV of
+        ``progress`` (req id, tokens; may be empty). On a GPU its kernels may
+        still run: record the fence later writes wait for (module docs)."""
         dp = self._dataplane
         if dp is None:
             return
         if self._cuda:
-            import torch
-
-            torch.cuda.current_stream().synchronize()
+            self._fence = _stream_event()
+        if not progress:
+            return
         with self._lock:
             self._computed += [(self.rank, req_id, tokens) for req_id, tokens in progress]
 
@@ -169,3 +179,12 @@ class WorkerSide:
 
     def _fail(self, actions: Sequence[StartWrite | StartRead], why: str) -> None:
         self._collect([OpResult(a, why) for a in actions if self._serves(a)])
+
+
+def _stream_event() -> Fence:
+    """A CUDA event recorded on the current (the forward's) stream."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event  # type: ignore[no-any-return]

@@ -22,7 +22,7 @@ from ._channel import (
     PeerUnreachable,
     Received,
 )
-from ._dataplane import DataPlane, NoticeIn, OpResult, PeerRanks, Rank, Result
+from ._dataplane import DataPlane, Fence, NoticeIn, OpResult, PeerRanks, Rank, Result
 from ._facade import SyncRuntime
 from ._metrics import EndpointMetrics
 from ._plan import TransferPlan, TransferPlanner, plan_transfer
@@ -58,6 +58,7 @@ __all__ = (
     "Descriptors",
     "EndpointMetrics",
     "EndpointRuntime",
+    "Fence",
     "Garbage",
     "Indices",
     "Notice",

@@ -21,6 +21,14 @@ peer whose handshake introduced that agent (:attr:`NoticeIn.peer`, ``None`` for
 an agent no handshake introduced), and the core counts a notice only for a
 reservation registered with that peer. An agent name another peer already
 claimed is refused (the later peer is unusable, logged).
+
+Fences. On a GPU the forward only *queues* the kernels that write a step's
+KV; the connector hears of the step before they have run. An action may be
+submitted ``after`` a :class:`Fence` (a CUDA event recorded on the forward's
+stream): the thread posts it only once the fence reports done, polling it
+without blocking (the forward's thread never synchronizes), in submission
+order, and fails it like any op whose lease ran out if the fence is still
+pending at ``not_after``. docs/runtime.md, "The GPU ordering rule".
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvpush.protocol import (
     Codec,
@@ -50,9 +60,17 @@ from kvpush.protocol import (
 from ._plan import TransferPlanner
 from ._transport import PreppedTransport, Transport
 
-__all__ = ("DataPlane", "NoticeIn", "OpResult", "PeerRanks", "Rank")
+__all__ = ("DataPlane", "Fence", "NoticeIn", "OpResult", "PeerRanks", "Rank")
 
 log = logging.getLogger("kvpush.dataplane")
+
+
+class Fence(Protocol):
+    """Work an action's source depends on (``torch.cuda.Event`` is one)."""
+
+    def query(self) -> bool:
+        """True once the work has finished; never blocks."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +166,8 @@ class DataPlane:
         #: The thread's OS id (``threading.get_native_id``), once it runs.
         self.native_id: int | None = None
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        #: Actions waiting for their fence, in submission order.
+        self._fenced: deque[tuple[StartWrite | StartRead, Fence]] = deque()
         self._peers: dict[str, PeerRanks] = {}
         self._agents: dict[tuple[str, int], str] = {}
         #: Transport agent -> the peer whose handshake introduced it.
@@ -184,9 +204,9 @@ class DataPlane:
         """Where results go (called from the data-plane thread); before start()."""
         self._on_results = on_results
 
-    def submit(self, action: StartWrite | StartRead) -> None:
-        """Queue an action; O(1), never blocks."""
-        self._inbox.put(("op", action))
+    def submit(self, action: StartWrite | StartRead, after: Fence | None = None) -> None:
+        """Queue an action, to be posted once ``after`` is done; O(1), never blocks."""
+        self._inbox.put(("op", action) if after is None else ("fenced", (action, after)))
 
     def add_peer(self, peer: PeerRanks) -> None:
         """Queue a peer's rank metadata (a new instance replaces the old)."""
@@ -218,7 +238,9 @@ class DataPlane:
         leftover: list[Result] = [
             OpResult(a[0], "data plane stopped") for a in self._posted.values()
         ]
+        leftover += [OpResult(a, "data plane stopped") for a, _ in self._fenced]
         self._posted.clear()
+        self._fenced.clear()
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
@@ -227,6 +249,9 @@ class DataPlane:
             if kind == "op":
                 assert isinstance(item, (StartWrite, StartRead))
                 leftover.append(OpResult(item, "data plane stopped"))
+            elif kind == "fenced":
+                assert isinstance(item, tuple)
+                leftover.append(OpResult(item[0], "data plane stopped"))
         if leftover:
             self._on_results(leftover)
 
@@ -243,6 +268,8 @@ class DataPlane:
                     if results:
                         self._on_results(results)
                     break
+                if self._fenced:
+                    self._release(results)
                 busy = bool(results)
                 self.polls += 1
                 for index, rank in self.ranks.items():
@@ -297,7 +324,7 @@ class DataPlane:
         can arrive, and the thread sleeps: every wake-up costs CPU (about
         50 us each on a 2-core host) and the GIL, which the engine's own
         thread in the same process needs for its next step."""
-        if self._posted:
+        if self._posted or self._fenced:
             return self._inflight_poll_interval
         if time.monotonic() < self._busy_until:
             return self._busy_poll_interval
@@ -328,12 +355,34 @@ class DataPlane:
                 except KvpushError as exc:  # its transport metadata: the peer is unusable
                     log.error("cannot add peer %s: %s", item.peer, exc)
                     self._peers.pop(item.peer, None)
+            elif kind == "fenced":
+                assert isinstance(item, tuple)
+                self._fenced.append(item)
             else:
                 assert isinstance(item, (StartWrite, StartRead))
-                error = self._post(item)
-                if error is not None:
-                    self.failed_posts += 1
-                    results.append(OpResult(item, error))
+                self._post_or_fail(item, results)
+
+    def _release(self, results: list[Result]) -> None:
+        """Post the fenced actions whose fence is done, in order; fail those
+        whose lease ran out while they waited."""
+        while self._fenced:
+            action, fence = self._fenced[0]
+            if fence.query():
+                self._fenced.popleft()
+                self._post_or_fail(action, results)
+            elif time.monotonic() > action.not_after:
+                self._fenced.popleft()
+                self.failed_posts += 1
+                why = "not posted: its lease ran out waiting for the forward that computes its KV"
+                results.append(OpResult(action, why))
+            else:
+                return
+
+    def _post_or_fail(self, action: StartWrite | StartRead, results: list[Result]) -> None:
+        error = self._post(action)
+        if error is not None:
+            self.failed_posts += 1
+            results.append(OpResult(action, error))
 
     def _add_peer(self, peer: PeerRanks) -> None:
         self._peers[peer.peer] = peer
