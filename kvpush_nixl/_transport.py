@@ -47,6 +47,7 @@ from ._memory import MemoryMap, check_rows, explained, layout_spans
 from ._meta import decode_metadata, encode_metadata, new_instance, nixl_name
 from ._options import PrepRule, validate_options
 from ._prepped import Prepped, check_indices, explain_indices, prepare
+from ._ucx import apply_vram_defaults
 
 if TYPE_CHECKING:
     from kvpush.runtime import PreppedTransport
@@ -81,6 +82,8 @@ class NixlTransport:
     by default: see ``docs/operations.md`` for the measurements). ``sync_mode``
     is the agent's lock mode, ``"STRICT"`` or ``"RW"``. :meth:`close` waits up
     to ``close_timeout`` seconds for transfers NIXL cannot cancel.
+    ``vram``: this transport will register VRAM, so UCX's VRAM defaults
+    (``_ucx.py``) are set first, where the user set nothing.
     ``prep_rule`` decides :meth:`prefers_prepped` (default: the measured
     :class:`PrepRule`; ``PrepRule(min_merge_ratio=0, min_rows=0)`` always
     posts by index).
@@ -116,10 +119,13 @@ class NixlTransport:
         sync_mode: Literal["STRICT", "RW"] = "STRICT",
         close_timeout: float = 0.5,
         prep_rule: PrepRule | None = None,
+        vram: bool = False,
     ) -> None:
         params = validate_options(
             agent, backends, backend_params, progress_thread, sync_mode, close_timeout
         )
+        if vram:  # before the agent: UCX reads its environment when the backend starts
+            apply_vram_defaults()
         if prep_rule is not None and not isinstance(prep_rule, PrepRule):
             raise ConfigError(f"prep_rule must be a PrepRule, got {type(prep_rule).__name__}")
         self._name = agent
