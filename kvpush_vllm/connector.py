@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvpush.protocol import Codec, ConfigError, Mode, Role, StartRead, StartWrite
+from kvpush.protocol import Codec, ConfigError, MemoryType, Mode, Role, StartRead, StartWrite
 from kvpush.runtime import PeerRanks, Result, decode_rank
 
 from ._config import ConnectorConfig
@@ -127,7 +127,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         facts = self._facts.values()
         if self._config.progressive and self._kv_role is Role.PRODUCER:
             facts["progressive"] = self._facts.platform
-        check_proven(facts, self._config.allow_unproven, ktc.kv_role)
+        check_proven(self._facts.platform, facts, self._config.allow_unproven, ktc.kv_role)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._local_hits: dict[str, int] = {}
@@ -149,6 +149,14 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._clock: StepClock | None = None
         if cfg.step_profile_file is not None:
             self._profile(cfg.step_profile_file)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Head-major blocks (LBHNC, "HND"): a TP head slice is then one run
+        per block, where token-major blocks need one descriptor per token
+        (refused: ``kv.strided``). ``VLLM_KV_CACHE_LAYOUT`` still wins."""
+        model = vllm_config.model_config
+        return None if model is None or model.use_mla else "HND"
 
     def _profile(self, path: str) -> None:
         side = "prefill" if self._kv_role is Role.PRODUCER else "decode"
@@ -343,11 +351,16 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             num_kv_heads=self._heads,
             head_size=self._head_size,
             head_start=head_start,
+            platform=self._facts.platform,
         )
         cfg = self._config
-        check_proven({"kv_layout": kv_layout_kind(layout)}, cfg.allow_unproven, f"rank {rank}")
+        kind = {"kv_layout": kv_layout_kind(layout)}
+        check_proven(self._facts.platform, kind, cfg.allow_unproven, f"rank {rank}")
         transport = NixlTransport(
-            f"{cfg.engine_id}-r{rank}", backends=cfg.backends, backend_params=cfg.backend_params
+            f"{cfg.engine_id}-r{rank}",
+            backends=cfg.backends,
+            backend_params=cfg.backend_params,
+            vram=any(r.memory is MemoryType.VRAM for r in layout.regions),
         )
         self._worker = WorkerSide(
             self._kv_role, rank, self._tp, Codec(secret=cfg.secret), transport
@@ -381,10 +394,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Nothing: the prefill's KV is sent whole once the request finished."""
 
     def wait_for_save(self) -> None:
-        """The step's forward is done: progressive push reports the chunks it
-        computed (``_progressive.py``)."""
+        """The step's forward is queued: on a GPU the worker records the event
+        its writes wait for; progressive push reports the chunks it computed
+        (``_progressive.py``)."""
         meta = self._bound()
-        if self._worker is not None and meta is not None and meta.progress:
+        if self._worker is not None and meta is not None:
             self._worker.computed(meta.progress)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -22,11 +22,12 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import torch
     from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import RequestStatus
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
-from kvpush.protocol import Mode
+from kvpush.protocol import ConfigError, Mode
 from kvpush_vllm import TransferParams
 from kvpush_vllm._contract import NIXL_PREFILL_LEG
 from kvpush_vllm.connector import KvpushConnector
@@ -573,9 +574,47 @@ def test_a_chunked_prefill_pushes_each_chunk_while_the_next_is_computed(
     assert early >= 1 and dp.posted >= early + 1  # increment(s), then the commit
 
 
-def test_progressive_push_is_refused_off_the_cpu_it_was_proven_on(make_scheduler: Any) -> None:
+def test_progressive_push_is_accepted_where_its_ordering_rule_holds(make_scheduler: Any) -> None:
+    """On the CPU a forward has written its KV at wait_for_save; on CUDA writes wait
+    for the event recorded there (tests/test_fence.py); nowhere else is it proven."""
     from kvpush_vllm import _proven
 
-    with pytest.raises(Exception, match="refuses progressive = cuda"):
-        _proven.check_proven({"progressive": "cuda"}, (), "kv_producer")
-    _proven.check_proven({"progressive": "cpu"}, (), "kv_producer")
+    _proven.check_proven("cpu", {"progressive": "cpu"}, (), "kv_producer")
+    _proven.check_proven("cuda", {"progressive": "cuda"}, (), "kv_producer")
+    with pytest.raises(Exception, match="refuses progressive = xpu"):
+        _proven.check_proven("cpu", {"progressive": "xpu"}, (), "kv_producer")
+
+
+def test_a_gpu_engine_inside_the_proven_envelope_starts_and_one_outside_is_refused(
+    make_scheduler: Any,
+) -> None:
+    """A CUDA engine in bf16 (vLLM's config with the platform and dtype a GPU engine
+    has; its KV views from vLLM's allocator in LBHNC, on CPU memory) starts with no
+    allow_unproven: the layout reads as packed-HND. Outside the envelope the connector
+    refuses naming the field (docs/vllm.md, "Supported and refused")."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvpush_vllm import _proven
+
+    _, cfg, kv_cfg = make_scheduler("kv_producer", CONNECTOR, MODULE, {}, block_size=32)
+    cfg.device_config.device_type = "cuda"
+    cfg.model_config.dtype = torch.bfloat16
+    worker = KvpushConnector(cfg, KVConnectorRole.WORKER, kv_cfg)
+    try:
+        caches = allocate_kv_cache(kv_cfg, torch.device("cpu"), KVCacheLayout.LBHNC)
+        worker.register_kv_caches(caches)
+        assert worker._worker is not None and worker._worker._dataplane is not None
+        layout = worker._worker._dataplane.ranks[0].layout
+        assert _proven.kv_layout_kind(layout) == "packed-HND"
+        assert worker._facts.values()["kv_dtype"] == "bfloat16"
+    finally:
+        worker.shutdown()
+    assert KvpushConnector.get_required_kvcache_layout(cfg) == "HND"
+    cfg.cache_config.cache_dtype = "fp8_per_token_head"
+    with pytest.raises(ConfigError, match="refuses kv_dtype = fp8_per_token_head"):
+        KvpushConnector(cfg, KVConnectorRole.WORKER, kv_cfg)
+    cfg.cache_config.cache_dtype = "auto"
+    cfg.device_config.device_type = "xpu"
+    with pytest.raises(ConfigError, match="refuses platform = xpu"):
+        KvpushConnector(cfg, KVConnectorRole.WORKER, kv_cfg)
