@@ -49,9 +49,8 @@ PROVEN: Mapping[str, Mapping[str, frozenset[str]]] = {
         "kv_dtype": frozenset({"float32"}),
         "block_size": frozenset({"32", "64"}),
         "head_size": frozenset({"64", "128"}),
-        # TP 2 engines run on the CPU backend, but their NIXL agents cannot reach a peer's
-        # there (UCX: connection refused): no TP 2 handoff has been proven.
-        "tensor_parallel_size": frozenset({"1"}),
+        # TP 2 -> 1, 1 -> 2 and 2 -> 2 (tests/e2e/test_vllm_e2e_tp.py).
+        "tensor_parallel_size": frozenset({"1", "2"}),
         "pipeline_parallel_size": frozenset({"1"}),
         "use_mla": frozenset({"False"}),
         "kv_cache_groups": frozenset({"FullAttentionSpec"}),

