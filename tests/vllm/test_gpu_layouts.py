@@ -402,3 +402,20 @@ def test_the_cuda_envelope_is_what_the_matrix_runs() -> None:
             check_proven("cuda", e.facts().values(), (), "test")
     with pytest.raises(ConfigError, match="refuses platform = xpu"):
         check_proven("xpu", Engine().facts().values(), (), "test")
+
+
+def test_an_mla_latent_cache_is_refused_by_name(vllm_config: VllmConfig) -> None:
+    """MLA keeps one latent vector per token (vLLM's MLAAttentionSpec: one "head",
+    no V half): nothing here proves it, so it is refused naming MLA, not misread."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    plan = get_kv_cache_config_from_groups(
+        vllm_config, [KVCacheGroupSpec(names, spec)], 4 * LAYERS * spec.page_size_bytes
+    )
+    views = allocate_kv_cache(plan, torch.device("cpu"), KVCacheLayout.LBHNC)
+    assert next(iter(views.values())).shape == (4, 1, 16, 576)
+    with pytest.raises(ConfigError, match=r"refuses kv_layout: .*MLA latent cache \(use_mla\)"):
+        layout_from_tensors(views, block_size=16, num_kv_heads=1, head_size=576, platform="cuda")
