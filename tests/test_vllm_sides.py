@@ -293,7 +293,7 @@ def test_the_cpu_backends_k_then_v_tiles_are_one_region_of_virtual_tokens() -> N
     )
     assert r.block_len == arr[0].nbytes and r.stride == arr.strides[0]
     assert token_scale(layout, BS) == 2
-    with pytest.raises(ConfigError, match="refuses kv_layout: .* CPU backend's cache must be"):
+    with pytest.raises(ConfigError, match=r"refuses kv_layout: .* CPU backend's cache must be"):
         layout_from_tensors(
             {"model.layers.0.attn": FakeTensor(arr.transpose(0, 2, 1, 3))},
             block_size=HEADS,
