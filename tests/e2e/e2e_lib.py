@@ -199,7 +199,9 @@ class Cluster:
 
 
 @contextmanager
-def running(label: str, engines: Sequence[Engine], routes: Mapping[str, tuple[str, str]]):
+def running(
+    label: str, engines: Sequence[Engine], routes: Mapping[str, tuple[str, str]]
+) -> Iterator[Cluster]:
     """Start every process at once, wait until all are healthy, stop them at the end."""
     c = Cluster({e.name: e for e in engines}, dict(routes))
     t0 = time.monotonic()

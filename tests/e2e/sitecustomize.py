@@ -21,4 +21,13 @@ if os.environ.get("KVPUSH_E2E_NAP") == "1":
 
     from vllm.distributed.device_communicators import shm_broadcast
 
-    shm_broadcast.sched_yield = lambda: time.sleep(0.0005)  # type: ignore[attr-defined]
+    if hasattr(shm_broadcast, "sched_yield"):
+        shm_broadcast.sched_yield = lambda: time.sleep(0.0005)
+    else:  # a vLLM whose spin no longer calls it: say so in the engine's log
+        import sys
+
+        print(
+            "kvpush e2e: KVPUSH_E2E_NAP=1 but vllm's shm_broadcast has no sched_yield: "
+            "the queue readers still spin (a TP engine may crawl on 2 cores)",
+            file=sys.stderr,
+        )

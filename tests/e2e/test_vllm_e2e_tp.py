@@ -18,10 +18,11 @@ TP 2 -> 1: each prefill rank writes its one head into the decode's two-head tile
 (the decode waits for both ranks); TP 1 -> 2: the prefill's one rank writes a head to
 each decode rank; TP 2 -> 2: rank to rank. The same greedy requests (a batch of 16 at
 once, push and pull) go to the baseline and through a router: the token ids must be
-identical, and the decode's metrics must show the prompts' KV arrived over kvpush
-(a load that failed and was recomputed fails the test), one write or read per rank
-pair. The engines nap in vLLM's queue spin (``sitecustomize.py``): on 2 cores a
-waiting decode's spinning worker otherwise starves the TP 2 engine's all-reduces.
+identical, and the decode's metrics must show the prompts' KV arrived over kvpush,
+one write or read per rank pair; a load that failed and was recomputed fails the test
+(the decode logs each one: ``kvpush: load of ... failed``). The engines nap in vLLM's
+queue spin (``sitecustomize.py``): on 2 cores a waiting decode's spinning worker
+otherwise starves the TP 2 engine's all-reduces.
 
 Needs the e2e venv (``make e2e``); skipped elsewhere.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from cluster import TIMINGS
@@ -98,7 +100,13 @@ def test_tensor_parallel_handoffs_match_the_baseline(tp: Cluster, route: str, mo
         # Prompts no engine has seen (no prefix hit hides a handoff).
         batch = prompts(100 + 10 * ["r21", "r12", "r22"].index(route) + (mode == "pull"), LENGTHS)
         want = baseline(tp, "baseline", batch, f"{route}-{mode}")
+        decode_log = tp[tp.routes[route][1]].proc.log
+        failed_before = _failed_loads(decode_log)
         moved = handoff(tp, route, batch, want, [mode] * len(batch), f"{route} {mode}")
+        # A load that failed or was refused (and so was recomputed) is logged by the
+        # decode: the counters below alone would let a short prompt's recompute pass.
+        failed = _failed_loads(decode_log)[len(failed_before) :]
+        assert not failed, f"{route} {mode}: loads failed, recomputed:\n" + "\n".join(failed)
         total = sum(len(p) for p in batch)
         assert moved["decode.external_kv_transfer"] >= total - len(batch), moved
         assert moved["decode.local_compute"] <= len(batch), moved
@@ -108,3 +116,11 @@ def test_tensor_parallel_handoffs_match_the_baseline(tp: Cluster, route: str, mo
         # to two ranks; 2 -> 2: rank to rank): one write (push) or read (pull) each.
         poster = "prefill" if mode == "push" else "decode"
         assert moved[f"{poster}.transfers_posted_total"] == 2 * len(batch), moved
+        if mode == "push":  # and the decode heard every rank pair's write land
+            assert moved["decode.notices_total"] == 2 * len(batch), moved
+
+
+def _failed_loads(log: Path) -> list[str]:
+    """The decode's ``kvpush: load of <request> failed|refused`` lines so far."""
+    text = log.read_text(errors="replace")
+    return [line for line in text.splitlines() if "kvpush: load of " in line]
