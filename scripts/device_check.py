@@ -1,39 +1,54 @@
-"""Device check: kvpush push and pull over NIXL between two processes on one GPU.
+"""Device check: kvpush on one GPU, two checks, one JSON report.
 
-This process is the producer (prefill), a spawned one the consumer (decode).
-Each registers its KV memory with a :class:`~kvpush_nixl.NixlTransport` (UCX;
-VRAM with ``--gpu``, DRAM otherwise). The bytes move the way the ``kvpush``
-variant of ``benchmarks/nixl_throughput.py`` moves them, whose geometry this
-imports (2 layers of split K/V: 4 regions; 50% fragmented block tables): a
+**model** (:mod:`device_handoff`, run first): a small random-weight Llama
+(transformers, GQA) computes a prompt's KV on prefill rank processes, each
+writing its heads into a KV cache allocated the way vLLM 0.33 allocates its
+packed GPU cache (:mod:`device_kv`); kvpush moves it through the connector's
+own halves without vLLM (``SchedulerSide`` per instance, ``WorkerSide`` per
+rank, NIXL), TP 1 -> 1 and 2 -> 1, push and pull, block sizes equal and not,
+progressive push; the decode rank generates greedily from the KV it received,
+and its tokens must equal one process's alone. bf16 in VRAM with ``--gpu``
+(every case); float32 on CPU with ``--cpu`` (the CI cases); the GPU's model
+and cases on CPU tensors with ``--torch-dram``.
+
+**wire**: kvpush push and pull over NIXL between two processes. This process
+is the producer (prefill), a spawned one the consumer (decode). Each registers
+its KV memory with a :class:`~kvpush_nixl.NixlTransport` (UCX; VRAM with
+``--gpu``, DRAM otherwise). The bytes move the way the ``kvpush`` variant of
+``benchmarks/nixl_throughput.py`` moves them, whose geometry this imports (2
+layers of split K/V: 4 regions; 50% fragmented block tables): a
 :class:`~kvpush.runtime.TransferPlanner` per route, then ``write_prepped`` or
 ``write`` (push: the producer posts, the notice follows the data) or
 ``read_prepped`` or ``read`` (pull: the consumer posts), chosen by the
-transport's ``prefers_prepped`` as the runtime's data plane chooses
-(``--path`` forces one).
+transport's ``prefers_prepped`` as the runtime's data plane chooses (``--path``
+forces one). Every round zeroes the consumer, moves the bytes, and checks them
+in the consumer: the written blocks against the producer's seeded pattern,
+made again there, and every other block still zero; with torch on the device
+(``--gpu``), numpy (``--cpu``), or torch on CPU tensors (``--torch-dram``).
+Round 0 warms up; the others are timed, push from before planning until the
+producer's ``poll()`` reports it done, pull the same in the consumer. The
+ceiling is a plain copy of as many bytes in one process: torch's ``copy_`` on
+the same device, or ``np.copyto``.
 
-Every round zeroes the consumer, moves the bytes, and checks them in the
-consumer: the written blocks against the producer's seeded pattern, made
-again there, and every other block still zero; with torch on the device
-(``--gpu``), numpy (``--cpu``), or torch on CPU tensors (``--torch-dram``:
-the GPU path's torch code without a GPU). Round 0 warms up; the others are
-timed, push from before planning until the producer's ``poll()`` reports it
-done, pull the same in the consumer. The ceiling is a plain copy of as many
-bytes in one process: torch's ``copy_`` on the same device, or ``np.copyto``.
-
-One JSON object is printed last on stdout (progress on stderr): ``ok``,
-``verified``, ``push_done``, ``pull_done``, ``entries`` (per block size:
-``push`` and ``pull`` with ``gbps``, ``gbps_min_max``, ``rounds``,
+One JSON object is printed last on stdout (progress on stderr): ``ok`` (every
+check run passed), ``checks``, ``model`` (``ok``, ``device``, ``spec``,
+``cases``: per case ``tokens``, ``reference``, ``tokens_equal``,
+``zero_kv_tokens``, ``zero_kv_differs``, ``kv_equal``, ``elsewhere_zero``,
+``bytes_posted``, ``kv_bytes``, ``transfer_s``, ``seconds``, ``ok``), and for
+the wire check ``verified``, ``push_done``, ``pull_done``, ``entries`` (per
+block size: ``push`` and ``pull`` with ``gbps``, ``gbps_min_max``, ``rounds``,
 ``verified``; ``push.notice_gbps`` until the consumer saw the notice;
-``copy_gbps``, ``push_over_copy``, ``pull_over_copy``, ``path``, ``rows``),
+``copy_gbps``, ``push_over_copy``, ``pull_over_copy``, ``path``, ``rows``);
 ``host``, ``env``, and ``error`` if a check failed. GB/s is 10^9 bytes/s.
-Exit 0 if every round was verified, 1 if not, 2 if the host cannot run it
-(``--gpu`` without torch, CUDA or NIXL: the message names what is missing).
-Every wait is bounded (``DEADLINE_S``, ``START_S``); the consumer is always
-stopped and reaped, on SIGTERM too.
+Exit 0 if every check passed, 1 if not, 2 if the host cannot run it (``--gpu``
+without torch, CUDA or NIXL; the model check without torch or transformers:
+the message names what is missing). Every wait is bounded; every child
+process is stopped and reaped, on SIGTERM too.
 
 Run it with ``scripts/device-check.sh`` (which installs NIXL offline first: see
 its header and docs/operations.md) or as ``python scripts/device_check.py
-[--gpu | --cpu | --torch-dram] [--total-mib N] [--block-kib K ...] [--reps R]``.
+[--gpu | --cpu | --torch-dram] [--checks model,wire] [--model-cases NAMES]
+[--total-mib N] [--block-kib K ...] [--reps R]``.
 """
 
 from __future__ import annotations
@@ -57,7 +72,8 @@ from types import TracebackType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # kvpush and benchmarks/ from this tree, installed or not
+# kvpush and benchmarks/ from this tree, installed or not; the device_* modules beside this.
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 import numpy as np  # noqa: E402
 
@@ -74,8 +90,9 @@ MODES = ("gpu", "torch-dram", "cpu")  # VRAM and torch; DRAM and torch; DRAM and
 Tables = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-class Terminated(Exception):
-    """SIGTERM (the wrapper's ``timeout``): stop, reap the consumer, report."""
+class Terminated(BaseException):
+    """SIGTERM (the wrapper's ``timeout``): stop, reap the child processes,
+    report. Not an ``Exception``: no check's own error handling swallows it."""
 
 
 class Mem:
@@ -192,7 +209,8 @@ def consumer_main(conn: Connection, mode: str, block: int, pool: int, seed: int,
     transport: NixlTransport | None = None
     try:
         mem = Mem(mode, bench.side_bytes(block, pool))
-        transport = NixlTransport("check-decode", prep_rule=PATHS[path])
+        # vram: UCX's VRAM defaults (kvpush_nixl/_ucx.py: cuda_ipc GET zero-copy for pull)
+        transport = NixlTransport("check-decode", prep_rule=PATHS[path], vram=mem.vram)
         mine = kv_layout(mem.vram, mem.ptr, mem.device, block, pool)
         transport.register(mine)
         conn.send(("ready", transport.metadata(), mem.ptr, mem.device))
@@ -373,7 +391,7 @@ def check(mode: str, block: int, total: int, reps: int, seed: int, path: str) ->
     with Consumer(mode, block, pool, seed, path) as consumer:
         mem = Mem(mode, bench.side_bytes(block, pool))
         mem.fill(seed)
-        with NixlTransport("check-prefill", prep_rule=PATHS[path]) as transport:
+        with NixlTransport("check-prefill", prep_rule=PATHS[path], vram=mem.vram) as transport:
             mine = kv_layout(mem.vram, mem.ptr, mem.device, block, pool)
             transport.register(mine)
             _, meta, base, device = consumer.expect("ready", bench.START_S)
@@ -429,7 +447,7 @@ def gpu_missing() -> str | None:
     except ImportError as exc:
         return (
             f"torch is not installed ({exc}); the GPU path uses the machine's CUDA torch: "
-            "run it in a venv made with --system-site-packages (scripts/device-check.sh does)"
+            "run it with the interpreter that has it (PYTHON=... scripts/device-check.sh)"
         )
     if not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -440,23 +458,32 @@ def gpu_missing() -> str | None:
     return None
 
 
-def host(mode: str) -> dict[str, Any]:
+def model_missing() -> str | None:
+    """Why the model check cannot run here, or ``None``."""
+    for module in ("torch", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (the model check needs it; --checks wire does not)"
+    return None
+
+
+def host(mode: str, checks: tuple[str, ...]) -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
-    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
+    dists = ["nixl", "nixl-cu12", "nixl-cu13"]
+    if mode != "cpu" or "model" in checks:
+        dists += ["torch", "transformers"]
+    for dist in dists:
         try:
             info[dist] = version(dist)
         except PackageNotFoundError:
             continue
-    if mode != "cpu":
+    if mode == "gpu":
         import torch
 
-        info |= {"torch": torch.__version__, "cuda": torch.version.cuda}
-    if mode == "gpu":
-        info["gpu"] = torch.cuda.get_device_name()
+        info |= {"cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name()}
     return info
 
 
@@ -482,49 +509,53 @@ def _terminated(signum: int, frame: object) -> None:
     raise Terminated("SIGTERM: stopped before the end (the time limit?)")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--gpu", action="store_true", help="VRAM of GPU 0 (refused without one)")
-    where.add_argument("--cpu", action="store_true", help="DRAM and numpy (default without CUDA)")
+    where.add_argument("--cpu", action="store_true", help="DRAM (default without CUDA)")
     where.add_argument("--torch-dram", action="store_true", help="the GPU path on CPU tensors")
-    parser.add_argument("--total-mib", type=int, help="bytes per transfer (GPU 1024, else 64)")
+    parser.add_argument(
+        "--checks",
+        default="model,wire",
+        help="comma-separated, run in this order: model (a real model's KV end to end), "
+        "wire (throughput, bytes verified); default both",
+    )
+    parser.add_argument(
+        "--model-cases",
+        metavar="NAMES",
+        help="comma-separated case names, 'all' or 'ci' (default: all with --gpu and "
+        "--torch-dram, ci with --cpu)",
+    )
+    parser.add_argument(
+        "--total-mib", type=int, help="wire: bytes per transfer (GPU 1024, else 64)"
+    )
     parser.add_argument(
         "--block-kib",
         type=int,
         action="append",
-        help="block bytes per region (repeatable; default 16, 256 and 2048)",
+        help="wire: block bytes per region (repeatable; default 16, 256 and 2048)",
     )
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds per block size")
+    parser.add_argument("--reps", type=int, default=5, help="wire: timed rounds per block size")
     parser.add_argument(
         "--path",
         choices=tuple(PATHS),
         default="auto",
-        help="post by rows or by index (default: the transport's rule)",
+        help="wire: post by rows or by index (default: the transport's rule)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slim-wheels", metavar="DIR", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.slim_wheels is not None:
-        slim_wheels(args.slim_wheels)
-        return
-    bench.set_env()  # before NIXL loads
+    given = args.checks.split(",")
+    if any(c not in ("model", "wire") for c in given):
+        parser.error("--checks takes model, wire or model,wire")
+    args.checks = tuple(c for c in ("model", "wire") if c in given)  # model first
     if args.gpu or args.cpu or args.torch_dram:
-        mode = "gpu" if args.gpu else "cpu" if args.cpu else "torch-dram"
+        args.mode = "gpu" if args.gpu else "cpu" if args.cpu else "torch-dram"
     else:
-        mode = "gpu" if gpu_missing() is None else "cpu"
-    missing = gpu_missing() if mode == "gpu" else None
-    if mode == "torch-dram" and importlib.util.find_spec("torch") is None:
-        missing = "torch is not installed"
-    try:
-        TRANSPORT.probe()
-    except TransportError as exc:
-        missing = missing or str(exc)
-    if missing is not None:
-        print(f"device-check: --{mode} cannot run here: {missing}", file=sys.stderr)
-        sys.exit(2)
+        args.mode = "gpu" if gpu_missing() is None else "cpu"
     blocks = [k * bench.KIB for k in args.block_kib or [b // bench.KIB for b in bench.BLOCK_SIZES]]
-    total = (args.total_mib or (1024 if mode == "gpu" else 64)) * bench.MIB
+    total = (args.total_mib or (1024 if args.mode == "gpu" else 64)) * bench.MIB
     if args.reps < 1 or any(
         b <= 0 or total % (bench.REGIONS * b) or total < 2 * bench.REGIONS * b for b in blocks
     ):
@@ -532,28 +563,100 @@ def main() -> None:
             f"--reps must be at least 1, and --total-mib a multiple of {bench.REGIONS} x "
             "every --block-kib, at least 2 blocks per region"
         )
+    args.blocks, args.total = blocks, total
+    return args
+
+
+def cannot_run(mode: str, checks: tuple[str, ...]) -> str | None:
+    """What this host lacks for ``mode`` and ``checks``, or ``None``."""
+    missing = gpu_missing() if mode == "gpu" else None
+    if mode == "torch-dram" and importlib.util.find_spec("torch") is None:
+        missing = "torch is not installed"
+    if missing is None and "model" in checks:
+        missing = model_missing()
+    try:
+        TRANSPORT.probe()
+    except TransportError as exc:
+        missing = missing or str(exc)
+    return missing
+
+
+def model_cases(mode: str, names: str | None) -> list[Any]:
+    """The model check's cases: ``--model-cases``, else all (ci with ``--cpu``)."""
+    import device_handoff
+
+    return device_handoff.cases_for(names or ("ci" if mode == "cpu" else "all"))
+
+
+def run_model(mode: str, cases: list[Any], section: dict[str, Any]) -> None:
+    """The model check (module docs), its report filled into ``section``."""
+    import device_handoff
+    from device_model import CPU_SPEC, GPU_SPEC
+
+    spec = CPU_SPEC if mode == "cpu" else GPU_SPEC
+    device = "cuda" if mode == "gpu" else "cpu"
+    device_handoff.run_model_check(device, spec, cases, bench.log, section)
+
+
+def run_wire(mode: str, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """The wire check (module docs): per block size, its entry into ``out``."""
+    started = time.monotonic()
+    out["entries"] = []
+    try:
+        for block in args.blocks:
+            bench.log(f"device-check: wire {mode}, block {block // bench.KIB} KiB ...")
+            out["entries"].append(check(mode, block, args.total, args.reps, args.seed, args.path))
+            bench.log(json.dumps(out["entries"][-1]))
+    except (Exception, Terminated) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        entries = out["entries"]
+        for side in ("push", "pull"):
+            runs = [e[side] for e in entries if e[side]["rounds"] == args.reps]
+            out[f"{side}_done"] = len(runs) == len(args.blocks)
+            out[f"{side}_verified"] = out[f"{side}_done"] and all(r["verified"] for r in runs)
+        out["verified"] = out["push_verified"] and out["pull_verified"]
+        out |= {
+            "memory": "VRAM" if mode == "gpu" else "DRAM",
+            "total_bytes": args.total,
+            "reps": args.reps,
+            "unit": "GB/s = 1e9 bytes per second; medians over reps",
+            "wire_s": round(time.monotonic() - started, 1),
+        }
+
+
+def main() -> None:
+    args = parse_args()
+    if args.slim_wheels is not None:
+        slim_wheels(args.slim_wheels)
+        return
+    bench.set_env()  # before NIXL loads
+    mode = args.mode
+    missing = cannot_run(mode, args.checks)
+    if missing is not None:
+        print(f"device-check: --{mode} cannot run here: {missing}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        cases = model_cases(mode, args.model_cases) if "model" in args.checks else []
+    except ValueError as exc:
+        print(f"device-check: --model-cases: {exc}", file=sys.stderr)
+        sys.exit(2)
     signal.signal(signal.SIGTERM, _terminated)
     started = time.monotonic()
-    out: dict[str, Any] = {"ok": False, "mode": mode, "entries": []}
+    out: dict[str, Any] = {"ok": False, "mode": mode, "checks": list(args.checks)}
     try:
-        for block in blocks:
-            bench.log(f"device-check: {mode}, block {block // bench.KIB} KiB ...")
-            out["entries"].append(check(mode, block, total, args.reps, args.seed, args.path))
-            bench.log(json.dumps(out["entries"][-1]))
-    except Exception as exc:
+        if "model" in args.checks:
+            out["model"] = {}
+            run_model(mode, cases, out["model"])
+        if "wire" in args.checks:
+            run_wire(mode, args, out)
+    except Terminated as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
-    entries = out["entries"]
-    for side in ("push", "pull"):
-        runs = [e[side] for e in entries if e[side]["rounds"] == args.reps]
-        out[f"{side}_done"] = len(runs) == len(blocks)
-        out[f"{side}_verified"] = out[f"{side}_done"] and all(r["verified"] for r in runs)
-    out["verified"] = out["ok"] = out["push_verified"] and out["pull_verified"]
+    passed = [out["model"].get("ok") is True] if "model" in args.checks else []
+    passed += [out.get("verified") is True] if "wire" in args.checks else []
+    out["ok"] = all(passed) and len(passed) == len(args.checks)
     out |= {
-        "memory": "VRAM" if mode == "gpu" else "DRAM",
-        "total_bytes": total,
-        "reps": args.reps,
-        "unit": "GB/s = 1e9 bytes per second; medians over reps",
-        "host": host(mode),
+        "host": host(mode, args.checks),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "CUDA_"))},
         "elapsed_s": round(time.monotonic() - started, 1),
     }

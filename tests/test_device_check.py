@@ -1,8 +1,16 @@
-"""scripts/device_check.py without a GPU: its CPU path end to end (two processes,
-NIXL over UCX on loopback, DRAM, push and pull verified), its torch code on CPU
-tensors where torch is installed, its refusal of ``--gpu`` where torch or CUDA
-is missing, and the wheel slimming ``scripts/device-check.sh fetch`` relies on.
-The GPU path itself runs only on a device machine (docs/operations.md)."""
+"""scripts/device_check.py without a GPU: both checks on their CPU path, end to end.
+
+The model check (real transformers, real NIXL over UCX on loopback, DRAM): a
+Llama's prompt KV computed by prefill rank processes into vLLM 0.33's packed GPU
+layout, moved by kvpush's connector halves, and the decode's greedy tokens equal
+to one process's alone, per case (TP 1 and 2 -> 1, push and pull, block sizes
+equal and not, progressive push); the KV really moved (bytes posted, the decode's
+KV bit-equal to the reference's) and the check can tell (the same decode from
+zeroed KV generates other tokens). The wire check: two processes, push and pull
+verified, its torch code on CPU tensors where torch is installed. And the
+refusal of ``--gpu`` where torch or CUDA is missing, and the wheel slimming
+``scripts/device-check.sh fetch`` relies on. The GPU path itself runs only on a
+device machine (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -14,12 +22,14 @@ import sys
 import types
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "device_check.py"
 SMALL = ["--total-mib", "1", "--block-kib", "16", "--reps", "2"]  # 16 blocks per region
+WIRE = ["--checks", "wire", *SMALL]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -42,9 +52,14 @@ def load_script() -> types.ModuleType:
     return module
 
 
-def check_report(proc: subprocess.CompletedProcess[str], mode: str, path: str) -> None:
+def report(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])  # the JSON is the last line
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line
+    return out
+
+
+def check_report(proc: subprocess.CompletedProcess[str], mode: str, path: str) -> None:
+    out = report(proc)
     assert out["ok"] and out["verified"] and out["mode"] == mode and out["memory"] == "DRAM"
     assert out["push_done"] and out["pull_done"]
     assert [e["block_bytes"] for e in out["entries"]] == [16 * 1024]
@@ -66,14 +81,78 @@ def check_report(proc: subprocess.CompletedProcess[str], mode: str, path: str) -
 def test_cpu_path(path: str, posted: str) -> None:
     """Two processes, push and pull, a warm-up and two timed rounds each verified;
     ``auto`` posts these small plans as rows, ``prepped`` by index."""
-    check_report(run("--cpu", "--path", path, *SMALL), "cpu", posted)
+    check_report(run("--cpu", "--path", path, *WIRE), "cpu", posted)
 
 
 @pytest.mark.nixl
 def test_torch_code_on_cpu_tensors() -> None:
     """The GPU path's torch code (fill, zero, gather, compare, copy_) on DRAM."""
     pytest.importorskip("torch", reason="torch is not installed")
-    check_report(run("--torch-dram", *SMALL), "torch-dram", "rows")
+    check_report(run("--torch-dram", *WIRE), "torch-dram", "rows")
+
+
+@pytest.mark.nixl
+def test_model_check_cpu_path() -> None:
+    """The model check's CPU cases, then the wire check, in one run: one JSON
+    report, ``ok`` only because both passed."""
+    pytest.importorskip("torch", reason="torch is not installed")
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    out = report(run("--cpu", "--checks", "model,wire", *SMALL, timeout=280))
+    assert out["ok"] and out["checks"] == ["model", "wire"] and out["verified"]
+    model = out["model"]
+    assert model["ok"] and model["device"] == "cpu" and model["spec"]["dtype"] == "float32"
+    spec = model["spec"]
+    assert spec["kv_heads"] < spec["heads"]  # GQA
+    names = [case["case"] for case in model["cases"]]
+    assert names == [
+        "tp1to1-push-16to16-LBNHC",
+        "tp2to1-push-16to32-LBHNC-chunk32-progressive",
+        "tp2to1-pull-32to16-LBHNC",
+    ]
+    for case in model["cases"]:
+        name = case["case"]
+        assert case["ok"], case
+        # The decode's tokens are one process's alone: the first one (the
+        # prefill's) and every greedy one after it.
+        assert case["tokens"] == case["reference"], name
+        assert len(case["tokens"]) == spec["new_tokens"] + 1
+        # The KV went over kvpush: the decode read exactly the reference's KV
+        # from its blocks, nothing else in its cache changed, the posting side
+        # posted at least the prompt's KV.
+        assert case["kv_equal"] and case["kv_max_abs_diff"] == 0.0, name
+        assert case["elsewhere_zero"], name
+        assert case["bytes_posted"] >= case["kv_bytes"] > 0, name
+        assert case["ops_posted"] > 0 and case["failed_posts"] == 0, name
+        # The check can tell: without the KV the decode generates other tokens.
+        assert case["zero_kv_tokens"] != case["reference"], name
+    progressive = model["cases"][1]
+    assert 0 < progressive["bytes_before_kv_ready"] < progressive["bytes_posted"]
+
+
+def test_model_check_refused_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model check needs torch and transformers; the message says which is missing."""
+    script = load_script()
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return None if name == "transformers" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert script.model_missing().startswith("transformers is not installed")
+    assert "transformers is not installed" in script.cannot_run("cpu", ("model", "wire"))
+
+
+def test_model_case_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every GPU case has its own name; ``--model-cases`` takes names, ``all`` and
+    ``ci``; an unknown name is refused, naming the known ones."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    handoff = pytest.importorskip("device_handoff", reason="torch is not installed")
+    names = [c.name for c in handoff.CASES]
+    assert len(set(names)) == len(names) == 16
+    assert [c.name for c in handoff.cases_for("ci")] == [c.name for c in handoff.CPU_CASES]
+    assert handoff.cases_for(names[0]) == [handoff.CASES[0]]
+    with pytest.raises(ValueError, match="unknown model cases"):
+        handoff.cases_for("nope")
 
 
 def test_gpu_refused_without_cuda() -> None:
