@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-xpyd e2e bench-vllm device-check-cpu lint typecheck check bench explore long clean
+.PHONY: test test-fast demo demo-xpyd e2e bench-vllm bench-staging device-check-cpu lint typecheck check bench explore long clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ e2e: $(E2E_STAMP)
 BENCH_VLLM_ARGS ?= --rounds 2 --requests 16
 bench-vllm: $(E2E_STAMP)
 	$(E2E_PY) benchmarks/vllm_peer.py $(BENCH_VLLM_ARGS)
+
+# Staged transfers against in place and raw NIXL, push and pull, 4 KiB to 2 MiB blocks
+# (docs/performance.md): JSON on stdout. CI runs it small (BENCH_STAGING_ARGS=--quick);
+# on a GPU: scripts/device-check.sh --gpu (VRAM, 1 GiB per transfer).
+BENCH_STAGING_ARGS ?=
+bench-staging: $(STAMP)
+	UCX_NET_DEVICES=lo $(PY) benchmarks/staging.py $(BENCH_STAGING_ARGS)
 
 # The GPU device check's CPU path (on a GPU host: scripts/device-check.sh; docs/operations.md).
 device-check-cpu: $(STAMP)

@@ -55,11 +55,13 @@ class Span:
 
 
 def layout_spans(layout: KVLayout) -> tuple[Span, ...]:
-    """The spans to register for ``layout``: one per region, overlaps merged."""
-    raw = sorted(
-        (Span(r.memory.value, r.device, r.base, r.extent) for r in layout.regions),
-        key=lambda s: (s.base, s.end),
-    )
+    """The spans to register for ``layout``: one per region and one for its
+    staging pool, overlaps merged."""
+    spans = [Span(r.memory.value, r.device, r.base, r.extent) for r in layout.regions]
+    if layout.staging is not None:
+        st = layout.staging
+        spans.append(Span(st.memory.value, st.device, st.base, st.nbytes))
+    raw = sorted(spans, key=lambda s: (s.base, s.end))
     merged: list[Span] = []
     for span in raw:
         last = merged[-1] if merged else None

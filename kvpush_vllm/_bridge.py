@@ -24,10 +24,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpush.protocol import KvpushError, StartRead, StartWrite
-from kvpush.runtime import OpResult, PeerRanks, Result
+from kvpush.protocol import KVLayout, KvpushError, StartRead, StartWrite
+from kvpush.runtime import OpResult, PeerRanks, Result, stage_bytes
 
-__all__ = ("Outbound", "WorkerBridge")
+__all__ = ("Outbound", "Staged", "WorkerBridge")
+
+
+@dataclass(slots=True)
+class Staged:
+    """The decode's staging records for the workers (docs/layouts.md): the
+    reservations that own a slot (transfer, epoch, blocks, slot), and those
+    that ended (transfer, epoch), dropped first."""
+
+    records: list[tuple[str, int, list[list[int]], tuple[int, ...]]] = field(default_factory=list)
+    dropped: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -36,6 +46,7 @@ class Outbound:
 
     actions: list[StartWrite | StartRead] = field(default_factory=list)
     peers: list[PeerRanks] = field(default_factory=list)
+    staging: Staged = field(default_factory=Staged)
 
 
 class WorkerBridge:
@@ -50,6 +61,10 @@ class WorkerBridge:
         self.error: BaseException | None = None
         self.posted = 0
         self.bytes_posted = 0  # counted by the workers; kept for the metrics' sake
+        #: Decode: the workers' layouts when every one has a staging pool
+        #: (their reservations then ask for slots); empty: none is staged.
+        self.staging_layouts: list[KVLayout] = []
+        self._staged: set[tuple[str, int]] = set()
 
     # --- the pump's side (DataPlaneLike) ---------------------------------------
 
@@ -84,6 +99,33 @@ class WorkerBridge:
             self._peers[peer.peer] = peer
             self._out.peers.append(peer)
 
+    def stage_need(self, blocks: list[list[int]]) -> int:
+        """The slot a reservation of ``blocks`` asks for: their bytes on the
+        largest rank (0: the workers have no staging pools)."""
+        return max((stage_bytes(lay, blocks) for lay in self.staging_layouts), default=0)
+
+    def stage(
+        self, transfer_id: str, epoch: int, blocks: list[list[int]], slot: tuple[int, ...]
+    ) -> None:
+        """Ship the record with the next step: a notice that reaches a worker
+        first waits for it there (``DataPlane.stage``)."""
+        with self._lock:
+            self._staged.add((transfer_id, epoch))
+            self._out.staging.records.append((transfer_id, epoch, blocks, slot))
+
+    def unstage(self, transfer_id: str, epoch: int) -> None:
+        """Ship the drop with the next step. The workers apply it before that
+        step's forward; ``SchedulerSide`` frees a released reservation's
+        blocks only once that is certain (``staged_release``)."""
+        with self._lock:
+            if (transfer_id, epoch) in self._staged:
+                self._staged.discard((transfer_id, epoch))
+                self._out.staging.dropped.append((transfer_id, epoch))
+
+    def is_staged(self, transfer_id: str, epoch: int) -> bool:
+        with self._lock:
+            return (transfer_id, epoch) in self._staged
+
     # --- vLLM's side -------------------------------------------------------------
 
     def take(self) -> Outbound:
@@ -93,9 +135,10 @@ class WorkerBridge:
         return out
 
     def has_actions(self) -> bool:
-        """Whether a transfer waits to be shipped (scheduler thread)."""
+        """Whether a transfer or a staging record waits to be shipped."""
         with self._lock:
-            return bool(self._out.actions)
+            out = self._out
+            return bool(out.actions or out.staging.records or out.staging.dropped)
 
     def known_peers(self) -> list[PeerRanks]:
         """Every peer's ranks so far (for a worker that joins late)."""

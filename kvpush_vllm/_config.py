@@ -62,6 +62,13 @@ class ConnectorConfig:
     #: A file to append one JSON line per engine step to: what vLLM's calls
     #: into the connector cost (``_steps.py``). None: off.
     step_profile_file: str | None = None
+    #: MiB of each worker's staging pool, on the KV's device (staged transfers,
+    #: docs/layouts.md); 0: none, every transfer in place. Both sides need one
+    #: for a transfer to go staged; the cost model decides per write.
+    staging_mib: int = 0
+    #: Stage every write that can be, whatever the cost model says (for tests
+    #: and measurements, e.g. on host memory where it would write in place).
+    staging_always: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -71,7 +78,8 @@ class ConnectorConfig:
             "host", "port", "engine_id", "secret", "mode", "ready_timeout",
             "kv_hold_timeout", "max_transit", "op_bound", "backends", "backend_params",
             "allow_unproven", "timeline_file", "idle_wait", "allowed_peers",
-            "router_discovery", "progressive", "step_profile_file",
+            "router_discovery", "progressive", "step_profile_file", "staging_mib",
+            "staging_always",
         }  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -138,6 +146,12 @@ class ConnectorConfig:
         progressive = raw.get("progressive", False)
         if type(progressive) is not bool:
             raise ConfigError(f"progressive must be true or false, got {progressive!r}")
+        staging = raw.get("staging_mib", 0)
+        if type(staging) is not int or not 0 <= staging <= 1 << 20:
+            raise ConfigError(f"staging_mib must be an int of MiB in [0, 2**20], got {staging!r}")
+        always = raw.get("staging_always", False)
+        if type(always) is not bool:
+            raise ConfigError(f"staging_always must be true or false, got {always!r}")
         discovery = raw.get("router_discovery")
         if discovery is not None:
             if not isinstance(discovery, Mapping) or set(discovery) != {"router", "http"}:
@@ -171,4 +185,6 @@ class ConnectorConfig:
             allowed_peers=frozenset(peers),
             router_discovery=discovery,
             progressive=progressive,
+            staging_mib=staging,
+            staging_always=always,
         )

@@ -105,10 +105,14 @@ class _Transfer:
     #: prefill: "sending".
     state: str
     failure: str = ""
+    #: Decode: its reservation owns a staging slot (its workers keep a record).
+    staged: bool = False
 
 
 #: Seconds between checks for a transfer to ship while an idle step waits.
 _SLICE = 0.002
+#: Bytes per page of the decode's staging pool (a slot is whole pages).
+STAGING_PAGE = 1 << 16
 
 #: A transfer's key: (transfer id, epoch); the prefill side uses epoch 0 (it
 #: sees one transfer per id, whatever the decode's epochs).
@@ -148,6 +152,11 @@ class SchedulerSide:
         self._registrar: Registrar | None = None
         #: Prefill -> the address its channel route was given (``_route``).
         self._routes: dict[str, tuple[str, int]] = {}
+        #: Engine steps so far (``step``), and decode reservations released
+        #: with a staging record on the workers: their blocks are freed from
+        #: the step at which every worker has surely dropped it (``_staged_release``).
+        self._steps = 0
+        self._releasing: list[tuple[int, Released, _Transfer, _Key]] = []
         #: Decode: what the workers ring when they have results (``_idle_wait``).
         self._doorbell: Doorbell | None = None
         if role is Role.CONSUMER and config.idle_wait > 0:
@@ -168,6 +177,9 @@ class SchedulerSide:
             )
         blobs = tuple(rank_blobs[r] for r in range(self.tp))
         layout = decode_rank(blobs[0])[1]
+        layouts = [decode_rank(b)[1] for b in blobs]
+        if self.role is Role.CONSUMER and all(lay.staging is not None for lay in layouts):
+            self.bridge.staging_layouts = layouts
         self._scale = token_scale(layout, self.block_size)
         cfg = self.config
         identity = Identity(
@@ -190,7 +202,14 @@ class SchedulerSide:
             if self.role is Role.PRODUCER:
                 pc = ProducerConfig(identity, cfg.timing, kv_hold_timeout=cfg.kv_hold_timeout)
                 return ProducerRuntime(Producer(pc), channel, self.bridge)
-            cc = ConsumerConfig(identity, cfg.timing, ready_timeout=cfg.ready_timeout)
+            pools = [lay.staging.nbytes for lay in self.bridge.staging_layouts if lay.staging]
+            cc = ConsumerConfig(
+                identity,
+                cfg.timing,
+                ready_timeout=cfg.ready_timeout,
+                staging_bytes=min(pools, default=0),
+                staging_page=STAGING_PAGE,
+            )
             return ConsumerRuntime(Consumer(cc), channel, self.bridge)
 
         self._sync = SyncRuntime(setup)
@@ -314,7 +333,8 @@ class SchedulerSide:
                 self.breakdown.write(req_id, outcome=f"refused: {result.reason.value}")
             else:
                 key = (params.transfer_id, result.epoch)
-                self._by_key[key] = _Transfer(req_id, list(blocks), "loading")
+                tr = _Transfer(req_id, list(blocks), "loading", staged=bool(result.stage))
+                self._by_key[key] = tr
                 self._key_of[req_id] = key
 
     def preempted(self, req_id: str) -> None:
@@ -382,7 +402,7 @@ class SchedulerSide:
 
     def pending_push_work(self) -> bool:
         with self._lock:
-            return bool(self._by_key) or bool(self._reports)
+            return bool(self._by_key) or bool(self._reports) or bool(self._releasing)
 
     # --- every step ----------------------------------------------------------------
 
@@ -391,12 +411,17 @@ class SchedulerSide:
         drains); what goes to the workers this step. ``idle``: vLLM scheduled
         nothing this step (see :meth:`_idle_wait`)."""
         with self._lock:
+            self._steps += 1
             if self._sync is not None:
                 events = self._sync.events()
                 if not events and idle and self._should_wait():
                     events = self._idle_wait(self._sync)
                 for ev in events:
                     self._event(ev)
+            due = [r for r in self._releasing if r[0] <= self._steps]
+            self._releasing = [r for r in self._releasing if r[0] > self._steps]
+            for _, ev, tr, key in due:
+                self._released(ev, tr, key)
             reports, self._reports = self._reports, Reports()
         return self.bridge.take(), reports
 
@@ -510,18 +535,28 @@ class SchedulerSide:
             if tr.state == "loading":
                 tr.state = "failed"
             log.warning("kvpush: load of %s failed (%s)", tr.req_id, tr.failure)
+        elif isinstance(ev, Released) and tr.staged:
+            # Its workers may scatter into these blocks until they dropped its
+            # record: shipped with the next step's metadata and applied before
+            # that step's forward, which is done once two more steps were
+            # built (one may be in flight under async scheduling).
+            self._releasing.append((self._steps + 2, ev, tr, key))
         elif isinstance(ev, Released):
-            if tr.state == "aborted":
-                r.sending.add(tr.req_id)  # the delayed free of a finished request
-            elif tr.state == "failed":
-                r.recving.add(tr.req_id)
-                r.failed[tr.req_id] = tr.blocks
-            self._forget(key, tr)  # "preempted": vLLM has moved on already
-            self.breakdown.write(tr.req_id, ev.timeline, outcome=f"{tr.state}: {tr.failure}")
+            self._released(ev, tr, key)
         else:  # SourceReleased
             r.sending.add(tr.req_id)
             self._forget(key, tr)
             self.breakdown.write(tr.req_id, ev.timeline, outcome=ev.outcome.value)
+
+    def _released(self, ev: Released, tr: _Transfer, key: _Key) -> None:
+        r = self._reports
+        if tr.state == "aborted":
+            r.sending.add(tr.req_id)  # the delayed free of a finished request
+        elif tr.state == "failed":
+            r.recving.add(tr.req_id)
+            r.failed[tr.req_id] = tr.blocks
+        self._forget(key, tr)  # "preempted": vLLM has moved on already
+        self.breakdown.write(tr.req_id, ev.timeline, outcome=f"{tr.state}: {tr.failure}")
 
     def _phase(self, ev: Ready | Failed | Released | SourceReleased) -> None:
         """The phase durations vLLM's metrics show (``_stats.PHASES``)."""

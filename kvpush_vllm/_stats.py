@@ -30,6 +30,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "failed": ("vllm:kvpush_transfers_failed_total", "Transfers that failed to post or land"),
     "bytes": ("vllm:kvpush_transfer_bytes_total", "KV bytes posted"),
     "notices": ("vllm:kvpush_notices_total", "Completion notices received"),
+    "staged": ("vllm:kvpush_staged_writes_total", "WRITEs gathered and sent staged"),
+    "scattered": ("vllm:kvpush_scatters_total", "Staged notices scattered into blocks"),
     "refused_params": (
         "vllm:kvpush_params_refused_total",
         "Requests whose kv_transfer_params broke the contract (docs/contract.md)",

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 from kvpush.protocol import Codec, KVLayout, MemoryType, Role, StartRead, StartWrite
 from kvpush.runtime import (
+    Copier,
+    CostModel,
     DataPlane,
     Fence,
     NoticeIn,
@@ -36,6 +38,7 @@ from kvpush.runtime import (
     encode_rank,
 )
 
+from ._bridge import Staged
 from ._doorbell import Bell
 
 __all__ = ("WorkerSide",)
@@ -57,13 +60,20 @@ class WorkerSide:
         #: The event recorded after the latest forward (CUDA only): writes wait for it.
         self._fence: Fence | None = None
         self.blob: bytes | None = None
-        self._reported = {"posted": 0, "failed": 0, "bytes": 0, "notices": 0}
+        self._reported = dict.fromkeys(
+            ("posted", "failed", "bytes", "notices", "staged", "scattered"), 0
+        )
         self._notices = 0
         self._bell = Bell()
 
-    def register(self, layout: KVLayout) -> bytes:
+    def register(
+        self, layout: KVLayout, copier: Copier | None = None, costs: CostModel | None = None
+    ) -> bytes:
         """Register this rank's KV and start the data plane; returns the rank's
-        description for the handshake (transport metadata and layout)."""
+        description for the handshake (transport metadata and layout).
+        ``copier``: the staged transfers' copier for the KV's memory (with a
+        staging pool in ``layout``); ``costs``: a fixed cost model (None: the
+        data plane measures its copier)."""
         if self._dataplane is not None:
             raise RuntimeError("register() was already called")
         # The data plane shares this process, and the GIL, with the engine's
@@ -79,6 +89,8 @@ class WorkerSide:
             poll_interval=0.0005,
             busy_for=0.002,
             expecting=False,
+            copier=copier,
+            costs=costs,
         )
         dp.bind(self._collect)
         dp.start()
@@ -93,10 +105,13 @@ class WorkerSide:
         peers: Sequence[PeerRanks],
         expecting: bool,
         doorbell: tuple[str, int] | None = None,
+        staging: Staged | None = None,
     ) -> None:
-        """Apply one step's metadata: new peers first, then our actions;
-        ``expecting``: a transfer is open (the data plane polls only then);
-        ``doorbell``: where to ring when results come (``_doorbell.py``)."""
+        """Apply one step's metadata: new peers first, the decode's staging
+        records, then our actions; ``expecting``: a transfer is open (the data
+        plane polls only then); ``doorbell``: where to ring when results come
+        (``_doorbell.py``). Runs before the step's forward: a record dropped
+        here is gone before the forward may reuse its blocks."""
         self._bell.aim(doorbell)
         dp = self._dataplane
         if dp is None:
@@ -106,6 +121,11 @@ class WorkerSide:
         dp.expect(expecting)
         for peer in peers:  # a new instance of a peer replaces the old one
             dp.add_peer(peer)
+        if staging is not None:
+            for tid, epoch in staging.dropped:
+                dp.unstage(tid, epoch)
+            for tid, epoch, blocks, slot in staging.records:
+                dp.stage(tid, epoch, blocks, slot)
         for action in actions:
             if self._serves(action):
                 dp.submit(action, self._fence if isinstance(action, StartWrite) else None)
@@ -166,6 +186,8 @@ class WorkerSide:
                 "failed": dp.failed_posts,
                 "bytes": dp.bytes_posted,
                 "notices": self._notices,
+                "staged": dp.stager.staged_writes,
+                "scattered": dp.stager.scatters,
             }
             delta = {k: v - self._reported[k] for k, v in now.items()}
             self._reported = now

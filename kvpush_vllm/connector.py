@@ -21,7 +21,7 @@ up (transfer results, completion notices), and the handshake metadata once
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,11 +34,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvpush.protocol import Codec, ConfigError, MemoryType, Mode, Role, StartRead, StartWrite
-from kvpush.runtime import PeerRanks, Result, decode_rank
+from kvpush.protocol import (
+    Codec,
+    ConfigError,
+    KVLayout,
+    MemoryType,
+    Mode,
+    Role,
+    Staging,
+    StartRead,
+    StartWrite,
+)
+from kvpush.runtime import CostModel, PeerRanks, Result, decode_rank
 
+from ._bridge import Staged
 from ._config import ConnectorConfig
 from ._contract import Contract
+from ._copier import TorchCopier
 from ._params import LegRole, ParamsError, TransferParams
 from ._progressive import Progress
 from ._proven import Facts, check_proven, handshake_fingerprint, kv_layout_kind
@@ -79,6 +91,8 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
     expecting: bool = False
     #: Decode: the scheduler side's doorbell, rung by a worker with results.
     doorbell: tuple[str, int] | None = None
+    #: Decode: staging records to keep and to drop (``_bridge.Staged``).
+    staging: Staged = field(default_factory=Staged)
 
 
 @dataclass
@@ -258,6 +272,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             scheduled,
             self._sched.expecting(),
             self._sched.doorbell,
+            out.staging,
         )
 
     def _worker_threads(self) -> dict[str, int]:
@@ -356,6 +371,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cfg = self._config
         kind = {"kv_layout": kv_layout_kind(layout)}
         check_proven(self._facts.platform, kind, cfg.allow_unproven, f"rank {rank}")
+        layout, copier = self._staging(kv_caches, layout)
         transport = NixlTransport(
             f"{cfg.engine_id}-r{rank}",
             backends=cfg.backends,
@@ -365,7 +381,26 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker = WorkerSide(
             self._kv_role, rank, self._tp, Codec(secret=cfg.secret), transport
         )
-        self._worker.register(layout)
+        always = CostModel(0.0, 1.0, 0.0, 0.0, 0.0, margin=0.0) if cfg.staging_always else None
+        self._worker.register(layout, copier, always if copier is not None else None)
+
+    def _staging(
+        self, kv_caches: dict[str, torch.Tensor], layout: KVLayout
+    ) -> tuple[KVLayout, TorchCopier | None]:
+        """``staging_mib``: a pool on the KV's device, in the layout (so in the
+        handshake), and the device copier over it and the KV caches."""
+        import torch
+
+        mib = self._config.staging_mib
+        if not mib:
+            return layout, None
+        device = next(iter(kv_caches.values())).device
+        self._pool = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+        memory = layout.regions[0].memory
+        index = device.index if device.type == "cuda" and device.index is not None else 0
+        pool = Staging(base=self._pool.data_ptr(), nbytes=mib << 20, memory=memory, device=index)
+        copier = TorchCopier([*kv_caches.values(), self._pool])
+        return replace(layout, staging=pool), copier
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or self._worker.blob is None:
@@ -380,7 +415,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._clock.scheduled(connector_metadata.scheduled)
         if self._worker is not None:
             meta = connector_metadata
-            self._worker.step(meta.actions, meta.peers, meta.expecting, meta.doorbell)
+            self._worker.step(meta.actions, meta.peers, meta.expecting, meta.doorbell, meta.staging)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Nothing: transfers run on the data-plane thread, off the forward path."""

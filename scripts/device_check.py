@@ -1,4 +1,4 @@
-"""Device check: kvpush on one GPU, two checks, one JSON report.
+"""Device check: kvpush on one GPU, three checks, one JSON report.
 
 **model** (:mod:`device_handoff`, run first): a small random-weight Llama
 (transformers, GQA) computes a prompt's KV on prefill rank processes, each
@@ -30,6 +30,14 @@ producer's ``poll()`` reports it done, pull the same in the consumer. The
 ceiling is a plain copy of as many bytes in one process: torch's ``copy_`` on
 the same device, or ``np.copyto``.
 
+**staging** (issue 27): ``benchmarks/staging.py`` on the same memory: raw NIXL
+one row per block, raw NIXL's minimal descriptor set, kvpush in place, kvpush
+staged (gather into the producer's pool, one span per route, scatter on the
+decode, through ``kvpush_vllm._copier.TorchCopier`` on the GPU) and a plain
+device copy, push and pull, 4 KiB to 2 MiB blocks, 50% fragmented, every
+variant checked byte for byte once; its JSON under ``staging`` (``entries``,
+``goals``, ``cost_model``, ``verified``).
+
 One JSON object is printed last on stdout (progress on stderr): ``ok`` (every
 check run passed), ``checks``, ``model`` (``ok``, ``device``, ``spec``,
 ``cases``: per case ``tokens``, ``reference``, ``tokens_equal``,
@@ -47,7 +55,7 @@ process is stopped and reaped, on SIGTERM too.
 
 Run it with ``scripts/device-check.sh`` (which installs NIXL offline first: see
 its header and docs/operations.md) or as ``python scripts/device_check.py
-[--gpu | --cpu | --torch-dram] [--checks model,wire] [--model-cases NAMES]
+[--gpu | --cpu | --torch-dram] [--checks model,wire,staging] [--model-cases NAMES]
 [--total-mib N] [--block-kib K ...] [--reps R]``.
 """
 
@@ -78,6 +86,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 import numpy as np  # noqa: E402
 
 import benchmarks.nixl_throughput as bench  # noqa: E402
+
+#: The checks, in the order they run.
+CHECKS = ("model", "wire", "staging")
 from kvpush.protocol import KVLayout, MemoryType, Role, compute_topology, layer_regions  # noqa: E402
 from kvpush.runtime import TransferPlanner, TransportError  # noqa: E402
 from kvpush_nixl import TRANSPORT, NixlTransport, PrepRule  # noqa: E402
@@ -517,9 +528,13 @@ def parse_args() -> argparse.Namespace:
     where.add_argument("--torch-dram", action="store_true", help="the GPU path on CPU tensors")
     parser.add_argument(
         "--checks",
-        default="model,wire",
+        default="model,staging",
         help="comma-separated, run in this order: model (a real model's KV end to end), "
-        "wire (throughput, bytes verified); default both",
+        "wire (kvpush's throughput, bytes verified), staging (benchmarks/staging.py: raw, "
+        "in place, staged, device copy); default model,staging",
+    )
+    parser.add_argument(
+        "--staging-reps", type=int, default=3, help="staging: timed rounds per block size"
     )
     parser.add_argument(
         "--model-cases",
@@ -547,9 +562,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slim-wheels", metavar="DIR", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     given = args.checks.split(",")
-    if any(c not in ("model", "wire") for c in given):
-        parser.error("--checks takes model, wire or model,wire")
-    args.checks = tuple(c for c in ("model", "wire") if c in given)  # model first
+    if not given or any(c not in CHECKS for c in given):
+        parser.error(f"--checks takes a comma-separated subset of {','.join(CHECKS)}")
+    args.checks = tuple(c for c in CHECKS if c in given)  # model first
     if args.gpu or args.cpu or args.torch_dram:
         args.mode = "gpu" if args.gpu else "cpu" if args.cpu else "torch-dram"
     else:
@@ -596,6 +611,38 @@ def run_model(mode: str, cases: list[Any], section: dict[str, Any]) -> None:
     spec = CPU_SPEC if mode == "cpu" else GPU_SPEC
     device = "cuda" if mode == "gpu" else "cpu"
     device_handoff.run_model_check(device, spec, cases, bench.log, section)
+
+
+def run_staging(mode: str, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """The staging check (module docs): benchmarks/staging.py's rows into ``out``."""
+    from benchmarks import staging
+
+    memory = {"gpu": "vram", "cpu": "dram", "torch-dram": "torch-dram"}[mode]
+    blocks = staging.blocks_for(args.total)
+    started = time.monotonic()
+    out["entries"] = []
+    try:
+        costs = staging.model_for(memory, args.seed)
+        out["cost_model"] = costs.__repr__()
+        for block in blocks:
+            bench.log(f"device-check: staging {memory}, block {block // bench.KIB} KiB ...")
+            entry = staging.measure(memory, block, args.total, args.staging_reps, args.seed, costs)
+            out["entries"].append(entry)
+            bench.log(json.dumps(entry))
+        out["goals"] = staging.goals(out["entries"])
+    except (Exception, Terminated) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        done = len(out["entries"]) == len(blocks) > 0
+        out["verified"] = done and all(
+            all(e[d]["verified"].values()) for e in out["entries"] for d in ("push", "pull")
+        )
+        out |= {
+            "memory": "VRAM" if memory == "vram" else "DRAM",
+            "total_bytes": args.total,
+            "reps": args.staging_reps,
+            "staging_s": round(time.monotonic() - started, 1),
+        }
 
 
 def run_wire(mode: str, args: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -650,10 +697,14 @@ def main() -> None:
             run_model(mode, cases, out["model"])
         if "wire" in args.checks:
             run_wire(mode, args, out)
+        if "staging" in args.checks:
+            out["staging"] = {}
+            run_staging(mode, args, out["staging"])
     except Terminated as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     passed = [out["model"].get("ok") is True] if "model" in args.checks else []
     passed += [out.get("verified") is True] if "wire" in args.checks else []
+    passed += [out["staging"].get("verified") is True] if "staging" in args.checks else []
     out["ok"] = all(passed) and len(passed) == len(args.checks)
     out |= {
         "host": host(mode, args.checks),

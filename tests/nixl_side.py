@@ -46,6 +46,7 @@ from kvpush.protocol import (
     Released,
     Role,
     SourceReleased,
+    Staging,
     Timing,
     layer_regions,
 )
@@ -53,7 +54,9 @@ from kvpush.runtime import (
     Completed,
     ConsumerRuntime,
     ControlChannel,
+    CostModel,
     DataPlane,
+    HostCopier,
     Notice,
     ProducerRuntime,
     Rank,
@@ -88,12 +91,20 @@ class SideSpec:
     heads: int = HEADS
     #: Consumer: the reservation budget in blocks (None: unlimited).
     max_reserved_blocks: int | None = None
+    #: Bytes of each rank's staging pool (0: none); with one, every write that
+    #: can be staged is (no cost model), gathered and scattered by HostCopier.
+    staging: int = 0
 
 
 def rank_layout(spec: SideSpec, rank: int, base: int) -> KVLayout:
     heads = spec.heads // spec.tp
     block_len = spec.tokens * heads * HEAD_BYTES
     span = 2 * spec.blocks * block_len
+    pool = (
+        Staging(base=base + LAYERS * span, nbytes=spec.staging, memory=MemoryType.DRAM)
+        if spec.staging
+        else None
+    )
     return KVLayout(
         layer_regions(
             [base + i * span for i in range(LAYERS)],
@@ -104,7 +115,8 @@ def rank_layout(spec: SideSpec, rank: int, base: int) -> KVLayout:
             head_start=rank * heads,
             order=HeadOrder.HND,
             memory=MemoryType.DRAM,
-        )
+        ),
+        pool,
     )
 
 
@@ -223,6 +235,7 @@ class Side:
         ranks = {}
         for r in range(spec.tp):
             size = LAYERS * 2 * spec.blocks * spec.tokens * (spec.heads // spec.tp) * HEAD_BYTES
+            size += spec.staging
             mem = np.zeros(size, dtype=np.uint8)
             layout = rank_layout(spec, r, mem.ctypes.data)
             rule = PrepRule(min_merge_ratio=0.0, min_rows=0) if spec.prepped else None
@@ -231,7 +244,10 @@ class Side:
             self.layouts.append(layout)
             self.transports.append(t)
             ranks[r] = Rank(t, layout)  # type: ignore[arg-type]
-        dataplane = DataPlane(spec.role, ranks, spec.tp, codec)
+        copier = HostCopier() if spec.staging else None
+        # margin 0: staging always wins (the cost model would write DRAM in place).
+        always = CostModel(0.0, 1.0, 0.0, 0.0, 0.0, margin=0.0) if spec.staging else None
+        dataplane = DataPlane(spec.role, ranks, spec.tp, codec, copier=copier, costs=always)
         blobs = tuple(
             encode_rank(t.metadata(), lay)
             for t, lay in zip(self.transports, self.layouts, strict=True)
@@ -265,6 +281,8 @@ class Side:
                     timing=spec.timing,
                     ready_timeout=spec.ready_timeout,
                     max_reserved_blocks=spec.max_reserved_blocks,
+                    staging_bytes=spec.staging,
+                    staging_page=4096,
                 )
                 runtime = ConsumerRuntime(Consumer(cconfig), channel, dataplane)
             async with anyio.create_task_group() as tg:
@@ -343,7 +361,19 @@ class Side:
             quiet = time.monotonic() - runtime.watch.gap_ended
             chaos = (self.chaos.duplicated, self.chaos.reordered)
             suspect = getattr(ep, "suspect_blocks", 0)
-            return ("counts", reserved, held, dp.posted, dp.posted_prepped, quiet, chaos, suspect)
+            st = dp.stager
+            staged = (st.staged_writes, st.scatters, st.pool_used(), st.dropped_notices)
+            return (
+                "counts",
+                reserved,
+                held,
+                dp.posted,
+                dp.posted_prepped,
+                quiet,
+                chaos,
+                suspect,
+                staged,
+            )
         raise ValueError(f"unknown command {kind!r}")
 
     async def _wait(self, kinds: tuple[str, ...], tid: str, timeout: float, nth: int = 1) -> Any:

@@ -222,7 +222,14 @@ messages: st.SearchStrategy[ControlMessage] = st.one_of(
     st.builds(Extend, ids, epochs, attempts, leases),
     st.builds(Heartbeat, u64s),
 )
-completions = st.builds(Completion, ids, epochs, sources, ranks)
+completions = st.builds(
+    Completion,
+    ids,
+    epochs,
+    sources,
+    ranks,
+    st.lists(st.integers(0, (1 << 32) - 1), max_size=7).map(tuple),
+)
 
 #: Any value msgpack can carry, for swapping into fields of valid frames.
 wire_values = st.recursive(
@@ -329,19 +336,38 @@ def test_notice_round_trip_and_size_bound(codec: Codec, notice: Completion) -> N
     assert len(data) <= 64 + len(notice.transfer_id.encode()) <= MAX_NOTICE_BYTES
 
 
+def test_a_staged_notice_names_its_tokens_and_a_malformed_count_is_refused() -> None:
+    plain = Completion("t", 3, Source(1, 0), 2)
+    staged = Completion("t", 3, Source(1, 0), 2, (48, 16))
+    data = PLAIN.encode_notice(staged)
+    assert data[4] == 0x02 and data[19:28] == b"\x02" + bytes([48, 0, 0, 0, 16, 0, 0, 0])
+    assert PLAIN.decode_notice(data) == staged
+    assert PLAIN.decode_notice(PLAIN.encode_notice(plain)) == plain
+    for count in (0, 8, 3):  # none, too many, more than the bytes hold
+        with pytest.raises(RemoteProtocolError, match="staged"):
+            PLAIN.decode_notice(data[:19] + bytes([count]) + data[20:])
+    with pytest.raises(LocalProtocolError, match="staged"):
+        PLAIN.encode_notice(Completion("t", 3, Source(1, 0), 2, (1,) * 8))
+
+
 def test_golden_bytes() -> None:
     """Pins the wire format: a change here breaks mixed-version deployments."""
     assert PLAIN.encode(Heartbeat(5)) == b"KVP\x01\x0b\x00\x91\x05"
     assert PLAIN.encode(Abort("t", 0)) == b"KVP\x01\x05\x00\x92\xa1t\x00"
-    # Register: fixarray of 8; ids as a bin of uint32 LE; lease float64; mode by
-    # value; skip_tokens (16 a positive fixint; 2**40 a uint64); attempt last.
+    # Register: fixarray of 9; ids as a bin of uint32 LE; lease float64; mode by
+    # value; skip_tokens (16 a positive fixint; 2**40 a uint64); attempt; the
+    # staging slot last (an empty array: none).
     reg = Register("t", 1, "c", ((7,),), 0.5, Mode.PULL, 16)
     reg_body = (
-        b"\x98\xa1t\x01\xa1c\x91\xc4\x04\x07\x00\x00\x00\xcb?\xe0" + b"\x00" * 6 + b"\xa4pull"
+        b"\x99\xa1t\x01\xa1c\x91\xc4\x04\x07\x00\x00\x00\xcb?\xe0" + b"\x00" * 6 + b"\xa4pull"
     )
-    assert PLAIN.encode(reg) == b"KVP\x01\x03\x00" + reg_body + b"\x10\x00"
-    assert PLAIN.encode(bad(reg, skip_tokens=1 << 40, attempt=2)) == (
-        b"KVP\x01\x03\x00" + reg_body + b"\xcf" + (1 << 40).to_bytes(8, "big") + b"\x02"
+    assert PLAIN.encode(reg) == b"KVP\x01\x03\x00" + reg_body + b"\x10\x00\x90"
+    assert PLAIN.encode(bad(reg, skip_tokens=1 << 40, attempt=2, stage=(0, 65536))) == (
+        b"KVP\x01\x03\x00"
+        + reg_body
+        + b"\xcf"
+        + (1 << 40).to_bytes(8, "big")
+        + b"\x02\x92\x00\xce\x00\x01\x00\x00"
     )
     # Rejected: the reason by value, then the attempt.
     rejected = Rejected("t", 1, RejectReason.STALLED, 1)
@@ -409,13 +435,16 @@ def test_golden_bytes() -> None:
 def test_typical_sizes() -> None:
     # Register with 64 ids: header 6 + fixarray 1 + "req-1" 6 + epoch 1 +
     # "decode-0" 9 + blocks (fixarray 1 + bin16 header 3 + 256) + lease float64 9
-    # + "push" 5 + skip_tokens 0 and attempt 0 as fixints 1 + 1 = 299 (297
-    # before skip_tokens, 298 before attempt).
-    assert len(PLAIN.encode(REGISTER)) == 299
-    assert len(SIGNED.encode(REGISTER)) == 299 + 32
+    # + "push" 5 + skip_tokens 0 and attempt 0 as fixints 1 + 1 + no staging
+    # slot (an empty fixarray) 1 = 300 (297 before skip_tokens, 298 before
+    # attempt, 299 before the slot).
+    assert len(PLAIN.encode(REGISTER)) == 300
+    assert len(SIGNED.encode(REGISTER)) == 300 + 32
     # A skip_tokens past 127 costs what msgpack's int needs: 3, 5 or 9 bytes.
-    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=4096))) == 299 + 2
-    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=(1 << 63) - 1))) == 299 + 8
+    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=4096))) == 300 + 2
+    assert len(PLAIN.encode(bad(REGISTER, skip_tokens=(1 << 63) - 1))) == 300 + 8
+    # A staging slot: [offset, nbytes] in the fixarray (0 a fixint, 2**20 a uint32).
+    assert len(PLAIN.encode(bad(REGISTER, stage=(0, 1 << 20)))) == 300 + 1 + 5
     # Hello without a layout or ranks: header 6 + fixarray 1 + "e" 2 +
     # instance 1 + "producer" 9 + tp, pp, heads, mla, kv_groups 5 + op_bound 9 +
     # max_transit 9 + [] 1 + ["push", "pull"] 11 + version 1 + empty bin 2 +
@@ -533,7 +562,7 @@ def test_skip_tokens_round_trip() -> None:
     for skip in (0, 16, 4096, (1 << 63) - 1):
         reg = bad(REGISTER, skip_tokens=skip)
         assert SIGNED.decode(SIGNED.encode(reg)) == reg
-        assert body_of(PLAIN, PLAIN.encode(reg))[-2:] == [skip, 0]
+        assert body_of(PLAIN, PLAIN.encode(reg))[-3:] == [skip, 0, []]
     assert PLAIN.decode(PLAIN.encode(REGISTER)).skip_tokens == 0  # type: ignore[union-attr]
 
 
@@ -965,7 +994,7 @@ def test_notice_mac() -> None:
 
 def test_oversized_frame() -> None:
     lim = CodecLimits()
-    data = frame(3, ["t", 1, "c", [b"\x00" * 4 * lim.max_block_ids], 1.0, "push", 0, 0])
+    data = frame(3, ["t", 1, "c", [b"\x00" * 4 * lim.max_block_ids], 1.0, "push", 0, 0, []])
     data += b"\x00" * (lim.max_frame_bytes - len(data) + 1)
     with pytest.raises(RemoteProtocolError, match="exceeds"):
         PLAIN.decode(data)
@@ -1078,7 +1107,7 @@ def test_bad_magic_or_short_notice(data: bytes) -> None:
 VALID_WIRE: dict[type[Any], list[Any]] = {
     Hello: ["e", 1, "producer", 1, 1, 8, False, 1, 1.0, 2.0, [], ["push"], 3, b"", []],
     HelloReject: ["f", "d"],
-    Register: ["t", 1, "c", [b""], 1.0, "push", 0, 0],
+    Register: ["t", 1, "c", [b""], 1.0, "push", 0, 0, []],
     Withdraw: ["t", 1],
     Abort: ["t", 1],
     Settled: ["t", 1],
@@ -1103,36 +1132,41 @@ def hello_wire(layout: Any = b"", **changes: Any) -> list[Any]:
 
 
 DECODE_CASES: list[tuple[int, list[Any], str]] = [
-    (3, ["t", True, "c", [b""], 1.0, "push", 0, 0], "epoch"),  # bool is not an int
-    (3, ["t", -1, "c", [b""], 1.0, "push", 0, 0], "epoch"),
-    (3, ["t", 1 << 63, "c", [b""], 1.0, "push", 0, 0], "epoch"),
-    (3, ["t", 1, "c", [b""], 1, "push", 0, 0], "lease"),  # seconds travel as floats
-    (3, ["t", 1, "c", [b""], math.nan, "push", 0, 0], "lease"),
-    (3, ["t", 1, "c", [b""], math.inf, "push", 0, 0], "lease"),
-    (3, ["t", 1, "c", [b""], -1.0, "push", 0, 0], "lease"),
-    (3, ["t", 1, "c", [b""], 1.0, "PUSH", 0, 0], "mode"),
-    (3, ["t", 1, "c", [b"\x00\x00\x00"], 1.0, "push", 0, 0], "blocks"),  # not whole uint32s
-    (3, ["t", 1, "c", [b"\x01\x00\x00\x00" * 2], 1.0, "push", 0, 0], "blocks"),  # duplicate id
-    (3, ["t", 1, "c", [], 1.0, "push", 0, 0], "blocks"),
-    (3, ["t", 1, "c", [[1, 2]], 1.0, "push", 0, 0], "blocks"),  # ids as ints, not bin
-    (3, ["t", 1, "c", b"", 1.0, "push", 0, 0], "blocks"),
-    (3, ["", 1, "c", [b""], 1.0, "push", 0, 0], "transfer_id"),
-    (3, ["x" * 257, 1, "c", [b""], 1.0, "push", 0, 0], "transfer_id"),
-    (3, [b"t", 1, "c", [b""], 1.0, "push", 0, 0], "transfer_id"),
-    (3, ["t", 1, "", [b""], 1.0, "push", 0, 0], "consumer"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", -1, 0], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", -(1 << 63), 0], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", 1 << 63, 0], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", (1 << 64) - 1, 0], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", True, 0], "skip_tokens"),  # bool is not an int
-    (3, ["t", 1, "c", [b""], 1.0, "push", False, 0], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", 0.0, 0], "skip_tokens"),  # nor is a float
-    (3, ["t", 1, "c", [b""], 1.0, "push", 16.0, 0], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", None, 0], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", "0", 0], "skip_tokens"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", 0, -1], "attempt"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", 0, 256], "attempt"),
-    (3, ["t", 1, "c", [b""], 1.0, "push", 0, True], "attempt"),
+    (3, ["t", True, "c", [b""], 1.0, "push", 0, 0, []], "epoch"),  # bool is not an int
+    (3, ["t", -1, "c", [b""], 1.0, "push", 0, 0, []], "epoch"),
+    (3, ["t", 1 << 63, "c", [b""], 1.0, "push", 0, 0, []], "epoch"),
+    (3, ["t", 1, "c", [b""], 1, "push", 0, 0, []], "lease"),  # seconds travel as floats
+    (3, ["t", 1, "c", [b""], math.nan, "push", 0, 0, []], "lease"),
+    (3, ["t", 1, "c", [b""], math.inf, "push", 0, 0, []], "lease"),
+    (3, ["t", 1, "c", [b""], -1.0, "push", 0, 0, []], "lease"),
+    (3, ["t", 1, "c", [b""], 1.0, "PUSH", 0, 0, []], "mode"),
+    (3, ["t", 1, "c", [b"\x00\x00\x00"], 1.0, "push", 0, 0, []], "blocks"),  # not whole uint32s
+    (3, ["t", 1, "c", [b"\x01\x00\x00\x00" * 2], 1.0, "push", 0, 0, []], "blocks"),  # duplicate id
+    (3, ["t", 1, "c", [], 1.0, "push", 0, 0, []], "blocks"),
+    (3, ["t", 1, "c", [[1, 2]], 1.0, "push", 0, 0, []], "blocks"),  # ids as ints, not bin
+    (3, ["t", 1, "c", b"", 1.0, "push", 0, 0, []], "blocks"),
+    (3, ["", 1, "c", [b""], 1.0, "push", 0, 0, []], "transfer_id"),
+    (3, ["x" * 257, 1, "c", [b""], 1.0, "push", 0, 0, []], "transfer_id"),
+    (3, [b"t", 1, "c", [b""], 1.0, "push", 0, 0, []], "transfer_id"),
+    (3, ["t", 1, "", [b""], 1.0, "push", 0, 0, []], "consumer"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", -1, 0, []], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", -(1 << 63), 0, []], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 1 << 63, 0, []], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", (1 << 64) - 1, 0, []], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", True, 0, []], "skip_tokens"),  # bool is not an int
+    (3, ["t", 1, "c", [b""], 1.0, "push", False, 0, []], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0.0, 0, []], "skip_tokens"),  # nor is a float
+    (3, ["t", 1, "c", [b""], 1.0, "push", 16.0, 0, []], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", None, 0, []], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", "0", 0, []], "skip_tokens"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, -1, []], "attempt"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, 256, []], "attempt"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, True, []], "attempt"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, 0, [0]], "stage"),  # [offset, nbytes] or []
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, 0, [0, 0]], "stage"),  # an empty slot
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, 0, [-1, 8]], "stage"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, 0, [0, 1.0]], "stage"),
+    (3, ["t", 1, "c", [b""], 1.0, "push", 0, 0, None], "stage"),
     (7, ["t", 1, "stalled", -1], "attempt"),
     (7, ["t", 1, "stalled", 1.0], "attempt"),
     (1, hello_wire(op_bound=0.0), "op_bound"),
@@ -1327,13 +1361,17 @@ def test_bodies_of_older_formats_are_refused() -> None:
         [*before_ranks[:-1], packed(LAYOUT.to_wire())],  # with a layout
         before_ranks[:-1],  # before layout too
     ]
-    old_registers = [["t", 1, "c", [b""], 1.0, "push"], ["t", 1, "c", [b""], 1.0, "push", 0]]
+    old_registers = [
+        ["t", 1, "c", [b""], 1.0, "push"],
+        ["t", 1, "c", [b""], 1.0, "push", 0],
+        ["t", 1, "c", [b""], 1.0, "push", 0, 0],  # before the staging slot
+    ]
     for old_hello in old_hellos:
         for codec, data in ((PLAIN, frame(1, old_hello)), (SIGNED, sign(frame(1, old_hello)))):
             with pytest.raises(RemoteProtocolError, match=r"^Hello: expected 15 fields$"):
                 codec.decode(data)
     for old_register in old_registers:
-        with pytest.raises(RemoteProtocolError, match="Register: expected 8 fields"):
+        with pytest.raises(RemoteProtocolError, match="Register: expected 9 fields"):
             PLAIN.decode(frame(3, old_register))
     with pytest.raises(RemoteProtocolError, match="Rejected: expected 4 fields"):
         PLAIN.decode(frame(7, ["t", 1, "released"]))
@@ -1347,10 +1385,10 @@ def test_decode_respects_configured_limits() -> None:
     assert small.decode(frame(4, ["12345678", 1])) == Withdraw("12345678", 1)
     for code, fields, field in [
         (4, ["123456789", 1], "Withdraw.transfer_id"),
-        (3, ["t", 1, "c", [bytes(range(20))], 1.0, "push", 0, 0], "Register.blocks"),  # 5 ids
+        (3, ["t", 1, "c", [bytes(range(20))], 1.0, "push", 0, 0, []], "Register.blocks"),  # 5 ids
         (
             3,
-            ["t", 1, "c", [b"\x00\x00\x00\x00", b"\x01\x00\x00\x00", b""], 1.0, "push", 0, 0],
+            ["t", 1, "c", [b"\x00\x00\x00\x00", b"\x01\x00\x00\x00", b""], 1.0, "push", 0, 0, []],
             "Register.blocks",
         ),
         (8, ["t", 1, [4, 0], 0, ""], "WriteFailed.source"),
@@ -1372,7 +1410,7 @@ def test_values_over_the_unpacker_limits_are_refused_as_malformed() -> None:
     lim = CodecLimits()
     for code, fields in [
         (8, ["t", 1, [0, 0], 0, "x" * (lim.max_detail_len + 1)]),
-        (3, ["t", 1, "c", [bytes(4 * lim.max_block_ids + 4)], 1.0, "push", 0, 0]),
+        (3, ["t", 1, "c", [bytes(4 * lim.max_block_ids + 4)], 1.0, "push", 0, 0, []]),
         (1, hello_wire(bytes(lim.max_layout_bytes + 1))),
         (1, hello_wire(ranks=[bytes(lim.max_ranks_bytes + 1)])),
         (1, hello_wire(ranks=[b""] * (lim.max_ranks + 1))),

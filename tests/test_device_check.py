@@ -129,6 +129,30 @@ def test_model_check_cpu_path() -> None:
     assert 0 < progressive["bytes_before_kv_ready"] < progressive["bytes_posted"]
 
 
+@pytest.mark.nixl
+def test_staging_check_runs_the_gpu_code_on_cpu_tensors() -> None:
+    """The staging check (benchmarks/staging.py) with the GPU's copier on CPU
+    tensors: five variants both ways, every one verified, the cost model's
+    choice and the staging memory reported, block sizes that fit 1 MiB."""
+    pytest.importorskip("torch", reason="torch is not installed")
+    args = ("--torch-dram", "--checks", "staging", "--total-mib", "1", "--staging-reps", "1")
+    out = report(run(*args, timeout=280))
+    st = out["staging"]
+    assert out["ok"] and st["verified"] and st["memory"] == "DRAM"
+    assert [e["block_bytes"] for e in st["entries"]] == [4096, 16384, 65536]
+    for e in st["entries"]:
+        for side in ("push", "pull"):
+            assert set(e[side]["gbps"]) == {
+                "raw_per_block", "raw_best", "kvpush_direct", "kvpush_staged"
+            }  # fmt: skip
+            assert all(v > 0 for v in e[side]["gbps"].values()) and e[side]["verified"]
+        assert e["cost_model"]["choice"] in ("direct", "staged")
+        assert e["staging_bytes"]["consumer"] == 1 << 20
+        assert e["descriptors"]["staged_spans"] == 1  # one route, one span
+        assert e["device_copy_gbps"] > 0
+    assert set(st["goals"]) >= {"pull_ge_0.8_push", "kvpush_chosen_ge_raw_per_block"}
+
+
 def test_model_check_refused_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model check needs torch and transformers; the message says which is missing."""
     script = load_script()

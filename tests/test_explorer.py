@@ -53,6 +53,35 @@ def test_explorer_finds_a_consumer_that_readies_early(monkeypatch: pytest.Monkey
         explore(config, transfers=1, preemptions=0)
 
 
+def test_every_interleaving_of_two_staged_transfers_sharing_one_slot() -> None:
+    """Issue 27: the decode's pool holds one slot (two pages, a transfer's
+    blocks), so the second reservation gets it only once the first ended,
+    preempted or not; every staged write lands in a slot its epoch owns."""
+    config = WorldConfig(producer_tp=1, consumer_tp=1, staging_pages=2, **NO_TIMEOUTS)
+    result = explore(config, transfers=2, preemptions=1, duplicates=0)
+    assert result.states > 1_000
+    assert result.terminal_states >= 2
+
+
+def test_explorer_finds_a_staging_slot_released_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give a preempted epoch's slot back at once instead of when the epoch is
+    released (after the producer's Settled, or its quarantine): a new epoch
+    takes it while a write of the old one may still land in it."""
+    preempt = Consumer.preempt
+
+    def early(self: Consumer, now: float, transfer_id: str) -> bool:
+        rec = self._live.get(transfer_id)
+        if rec is not None and rec.stage:
+            self._slots.give(rec.stage)
+            rec.stage = ()
+        return preempt(self, now, transfer_id)
+
+    monkeypatch.setattr(Consumer, "preempt", early)
+    config = WorldConfig(producer_tp=1, consumer_tp=1, staging_pages=2, **NO_TIMEOUTS)
+    with pytest.raises(InvariantViolation, match="I1"):
+        explore(config, transfers=1, preemptions=1, duplicates=0)
+
+
 def test_every_interleaving_of_a_handshake_that_loses_a_hello() -> None:
     """Issue 13 (2): the handshake runs over the explored network, which may
     duplicate one frame and lose one hello; the retry timer recovers every
@@ -105,7 +134,8 @@ def test_every_interleaving_with_a_process_stall(monkeypatch: pytest.MonkeyPatch
 #: fails here until it is placed: here if it decides the future (most do), or
 #: in the explorer's ``_EXCLUDED`` with the reason it does not.
 KEYED = {
-    _Reservation: "transfer_id epoch peer mode blocks deadline skip_tokens state done settled "
+    _Reservation: "transfer_id epoch peer mode blocks deadline skip_tokens stage state done "
+    "settled "
     "quarantine_at failed instance after_reads attempt probes timers",
     Transfer: "transfer_id state peer max_epoch max_attempt src partial reg pending inflight sent "
     "committed writes owe "

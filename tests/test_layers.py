@@ -435,6 +435,14 @@ def test_a_library_another_row_owns_is_caught() -> None:
     assert planted("kvpush_nixl.__init__", "import nixl._api\n") == []
 
 
+def test_torch_in_the_runtime_for_a_device_copier_is_caught() -> None:
+    """Issue 27: the runtime stages transfers but copies device memory only
+    through the copier the shim hands it; torch stays in the shim."""
+    (problem,) = planted("kvpush.runtime._stage", "def f():\n    import torch\n")
+    assert problem == "kvpush.runtime._stage:2 imports torch: only vllm may import torch"
+    assert planted("kvpush_vllm._copier", "import torch\n") == []
+
+
 def test_a_module_outside_the_table_is_caught() -> None:
     sources = {**PLANTED, "kvpush_other.__init__": ""}
     assert check(sources) == ["kvpush_other.__init__: in no row of the layer table"]

@@ -20,6 +20,7 @@ from kvpush.protocol._layout import (
     KVLayout,
     MemoryType,
     Region,
+    Staging,
     layer_regions,
 )
 from kvpush.protocol._types import Role
@@ -304,3 +305,39 @@ def test_the_handshake_refuses_a_different_fingerprint() -> None:
             hello(llama(), Role.PRODUCER, "p"), hello(llama(head_bytes=128), Role.CONSUMER, "d")
         )
     assert err.value.field == "kv.head_bytes"
+
+
+# --- the staging pool (issue 27) ------------------------------------------------------
+
+
+def test_a_staging_pool_travels_with_the_layout_and_leaves_the_fingerprint_alone() -> None:
+    pool = Staging(base=1 << 30, nbytes=1 << 20, memory=MemoryType.DRAM, device=0)
+    with_pool = replace(llama(), staging=pool)
+    wire = msgpack.unpackb(msgpack.packb(with_pool.to_wire()))
+    assert KVLayout.from_wire(wire) == with_pool and wire["staging"]["nbytes"] == 1 << 20
+    assert with_pool.fingerprint() == llama().fingerprint()  # either side may go without
+    assert "staging" not in llama().to_wire()
+
+
+@pytest.mark.parametrize(
+    "staging",
+    [
+        [1 << 30, 1 << 20, "DRAM", 0],  # a list, not the map
+        {"base": 1 << 30, "nbytes": 0, "memory": "DRAM", "device": 0},  # empty
+        {"base": -1, "nbytes": 8, "memory": "DRAM", "device": 0},
+        {"base": 0, "nbytes": 8, "memory": "HBM", "device": 0},
+        {"base": 0, "nbytes": 8, "memory": "DRAM"},
+        {"base": 0, "nbytes": 8, "memory": "DRAM", "device": 0, "extra": 1},
+        {"base": (1 << 63) - 4, "nbytes": 8, "memory": "DRAM", "device": 0},  # past 2**63
+        {"base": 0, "nbytes": 8.0, "memory": "DRAM", "device": 0},
+    ],
+)
+def test_a_malformed_staging_pool_is_refused_as_remote_input(staging: object) -> None:
+    wire = {**llama().to_wire(), "staging": staging}
+    with pytest.raises(RemoteProtocolError, match="staging"):
+        KVLayout.from_wire(wire)
+
+
+def test_a_layout_refuses_a_staging_pool_of_the_wrong_type() -> None:
+    with pytest.raises(ConfigError, match="staging"):
+        KVLayout(llama().regions, (0, 8))  # type: ignore[arg-type]

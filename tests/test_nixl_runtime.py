@@ -25,6 +25,11 @@ from kvpush.protocol import Role
     ("p_tp", "d_tp", "p_tokens", "d_tokens", "mode", "prepped"),
     [
         (1, 1, 16, 16, "push", False),
+        (1, 1, 16, 16, "staged", False),  # gathered, one span per route, scattered
+        (2, 1, 16, 16, "staged", False),  # two producer ranks into one slot
+        (1, 2, 16, 16, "staged", False),  # one producer rank into two slots
+        (1, 1, 16, 8, "staged", False),  # block-size ratio 2
+        (2, 1, 8, 16, "staged", False),
         (1, 1, 16, 16, "push", True),  # by index into lists prepared once per route
         (2, 1, 16, 16, "push", False),  # two producer ranks into one: an exact set of two
         (1, 2, 16, 16, "pull", False),
@@ -37,8 +42,10 @@ def test_transfers_over_nixl_between_two_processes(
     p_tp: int, d_tp: int, p_tokens: int, d_tokens: int, mode: str, prepped: bool
 ) -> None:
     tokens = 64
-    prod = spec(Role.PRODUCER, p_tp, p_tokens, prepped=prepped)
-    cons = spec(Role.CONSUMER, d_tp, d_tokens, prepped=prepped)
+    staging = 1 << 20 if mode == "staged" else 0
+    mode = "push" if staging else mode
+    prod = spec(Role.PRODUCER, p_tp, p_tokens, prepped=prepped, staging=staging)
+    cons = spec(Role.CONSUMER, d_tp, d_tokens, prepped=prepped, staging=staging)
     with sides(prod, cons) as (p, d):
         # Fragmented tables on both sides (runs of 1-3 blocks, out of order).
         src = [5, 9, 10, 11, 0, 1, 2, 30][: tokens // p_tokens]
@@ -55,6 +62,10 @@ def test_transfers_over_nixl_between_two_processes(
         mover = p if mode == "push" else d
         posts = 3 * p_tp * d_tp // min(p_tp, d_tp)  # one per rank pair per request
         assert mover("counts")[3:5] == (posts, posts if prepped else 0)
+        # Staged: every write gathered and scattered, every slot back, nothing dropped.
+        assert p("counts")[8][0] == (posts if staging else 0)
+        assert d("counts")[8][1:] == (posts if staging else 0, 0, 0)
+        assert p("counts")[8][2] == 0
 
 
 def test_prefill_killed_mid_write_fails_the_request_and_frees_blocks_after_quarantine() -> None:

@@ -246,6 +246,12 @@ async def test_transfers_over_tcp_and_shared_memory(
         )
         assert moved is not None
         assert (moved > 0) == (mode is Mode.PUSH)  # in pull the consumer moves the bytes
+        # Shared memory has no copier, so nothing is staged: every write in place.
+        labels = {"role": "producer", "engine": "prefill"}
+        writes = registry.get_sample_value("kvpush:writes_total", {**labels, "path": "direct"})
+        assert writes == (prod.dataplane.posted if mode is Mode.PUSH else 0)
+        assert registry.get_sample_value("kvpush:writes_total", {**labels, "path": "staged"}) == 0
+        assert registry.get_sample_value("kvpush:staging_bytes", labels) == 0
         # Prepped: every transfer went by index, each route's lists prepared once.
         mover = prod if mode is Mode.PUSH else cons
         posts = [t.prepped_posts for t in mover.transports if isinstance(t, PreppedShm)]

@@ -12,6 +12,7 @@ import pathlib
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,8 @@ import pytest
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (make test installs it)")
 
-from kvpush.protocol import Codec, ConfigError, HeadOrder, Mode, Role
+from kvpush.protocol import Codec, ConfigError, HeadOrder, MemoryType, Mode, Role, Staging
+from kvpush.runtime import CostModel, HostCopier
 from kvpush_nixl import NixlTransport
 from kvpush_vllm._config import ConnectorConfig
 from kvpush_vllm._contract import NIXL_PREFILL_LEG, Contract
@@ -129,6 +131,8 @@ class Instance:
     ) -> None:
         extra: dict[str, Any] = {"port": port, **extra_config}
         self.config = ConnectorConfig.from_extra(extra)
+        #: Staging pools (``staging_mib``), numpy here as the connector's are torch.
+        self.pools: list[np.ndarray] = []
         self.sched = SchedulerSide(role, self.config, tp, HEADS, BS)
         heads = HEADS // tp
         # HND, as vLLM's CPU backend stores it: a TP mismatch sends head slices.
@@ -145,7 +149,16 @@ class Instance:
                 platform="cuda",
             )
             w = WorkerSide(role, r, tp, Codec(), transport(f"{self.config.engine_id}-r{r}"))
-            blobs[r] = w.register(layout)
+            if self.config.staging_mib:
+                pool = np.zeros(self.config.staging_mib << 20, dtype=np.uint8)
+                self.pools.append(pool)
+                nbytes = pool.size
+                stage = Staging(base=pool.ctypes.data, nbytes=nbytes, memory=MemoryType.DRAM)
+                layout = replace(layout, staging=stage)
+                always = CostModel(0.0, 1.0, 0.0, 0.0, 0.0, margin=0.0)
+                blobs[r] = w.register(layout, HostCopier(), always)
+            else:
+                blobs[r] = w.register(layout)
             self.workers.append(w)
         self.sched.start(blobs)
         self.seen = Reports()
@@ -158,7 +171,9 @@ class Instance:
         self.seen.failed.update(reports.failed)
         results = []
         for w in self.workers:
-            w.step(out.actions, out.peers, self.sched.expecting(), self.sched.doorbell)
+            w.step(
+                out.actions, out.peers, self.sched.expecting(), self.sched.doorbell, out.staging
+            )
             results += w.take_results()
         heard = self.sched.results(results)  # vLLM hears these in the same step
         self.seen.sending |= heard.sending
@@ -213,6 +228,91 @@ def test_a_request_moves_between_the_two_sides(p_tp: int, d_tp: int, mode: str) 
             assert np.array_equal(blocks_of(decode, layer, dst), blocks_of(prefill, layer, src))
         assert not prefill.sched.pending_push_work()
         assert decode.sched.tokens_to_load("d-1", params_d, 64, 0) == 0  # done: never again
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_a_request_moves_staged_between_the_two_sides(p_tp: int, d_tp: int) -> None:
+    """Issue 27 through the connector's halves: both sides have a staging pool
+    (``staging_mib``), the decode's reservation takes a slot, its records reach
+    the workers with the step's metadata, every write is gathered, sent as
+    spans and scattered before the decode's core hears it."""
+    prefill = Instance(Role.PRODUCER, p_tp, port=free_port(), staging_mib=1)
+    decode = Instance(Role.CONSUMER, d_tp, staging_mib=1)
+    try:
+        peer = prefill.config.engine_id
+        src, dst = [3, 4, 5, 9], [10, 2, 7, 8]
+        rng = np.random.default_rng(1)
+        for t in prefill.tensors:
+            for layer in range(LAYERS):
+                a = t[f"model.layers.{layer}.self_attn.attn"].arr
+                a[:, src] = rng.standard_normal(a[:, src].shape).astype(np.float16)
+        params_d = TransferParams("kvp-st", "decode", Mode.PUSH, peer)
+        decode.sched.reserve("d-s", params_d, dst, 0)
+        params_p = TransferParams("kvp-st", "prefill", Mode.PUSH, "decode-url")
+        assert prefill.sched.kv_ready("p-s", params_p, src) is True
+        run_until(
+            [prefill, decode],
+            lambda: "d-s" in decode.seen.recving and "p-s" in prefill.seen.sending,
+        )
+        assert decode.seen.failed == {}
+        for layer in range(LAYERS):
+            assert np.array_equal(blocks_of(decode, layer, dst), blocks_of(prefill, layer, src))
+        staged = sum(w._dataplane.stager.staged_writes for w in prefill.workers)  # type: ignore[union-attr]
+        scattered = sum(w._dataplane.stager.scatters for w in decode.workers)  # type: ignore[union-attr]
+        assert staged == scattered == max(p_tp, d_tp)  # one per rank pair
+        run_until([prefill, decode], lambda: not decode.sched.pending_push_work())
+        for w in decode.workers:
+            assert not w._dataplane.stager._records  # type: ignore[union-attr]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("how", ["deadline", "finished"])
+def test_a_released_staged_load_frees_its_blocks_only_once_the_workers_dropped_it(
+    how: str,
+) -> None:
+    """A staged reservation released (its KV never came, or vLLM finished the
+    request while it loaded): vLLM hears of it, and may reuse the blocks, only
+    after its record left every worker, so no late scatter can write into
+    blocks vLLM gave to another request. The finished case is heard through
+    ``results`` in the very step the core released it, before the next step's
+    metadata could carry the drop: without the scheduler's delay it is heard
+    with the record still on the worker."""
+    prefill = Instance(Role.PRODUCER, 1, port=free_port(), max_transit=0.2, staging_mib=1)
+    decode = Instance(
+        Role.CONSUMER, 1, ready_timeout=0.5, max_transit=0.2, op_bound=0.3, staging_mib=1
+    )
+    try:
+        params = TransferParams("kvp-lost-st", "decode", Mode.PUSH, prefill.config.engine_id)
+        decode.sched.reserve("d-l", params, [1, 2], 0)
+        records = decode.workers[0]._dataplane.stager._records  # type: ignore[union-attr]
+        heard = decode.seen.recving if how == "deadline" else decode.seen.sending
+        held_when_heard: list[bool] = []
+        recorded = False
+        deadline = time.monotonic() + 10
+        while "d-l" not in heard:
+            assert time.monotonic() < deadline
+            for inst in (prefill, decode):
+                inst.step()
+            held = any(k[0] == "kvp-lost-st" for k in records)
+            recorded |= held
+            if recorded and how == "finished" and decode.sched.finished_decode("d-l"):
+                how = "asked"  # once: vLLM finished the request while it loaded
+            if "d-l" in heard:
+                held_when_heard.append(held)
+                break
+            time.sleep(0.01)
+            # vLLM's update_connector_output: what it hears before the next step.
+            now = decode.sched.results([])
+            heard |= now.sending | now.recving
+            if "d-l" in heard:
+                held_when_heard.append(any(k[0] == "kvp-lost-st" for k in records))
+        assert recorded, "the reservation's record never reached the worker"
+        assert held_when_heard == [False], "vLLM heard of the release before the record left"
     finally:
         prefill.close()
         decode.close()

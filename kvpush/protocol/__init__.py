@@ -6,7 +6,14 @@ threads, clocks or randomness. See docs/protocol.md.
 
 from __future__ import annotations
 
-from ._codec import MAX_NOTICE_BYTES, MIN_SECRET_BYTES, WIRE_VERSION, Codec, CodecLimits
+from ._codec import (
+    MAX_NOTICE_BYTES,
+    MAX_STAGED_GROUPS,
+    MIN_SECRET_BYTES,
+    WIRE_VERSION,
+    Codec,
+    CodecLimits,
+)
 from ._config import ConsumerConfig, Identity, ProducerConfig, Timing
 from ._consumer import Consumer, Refused, RefuseReason, Reserved
 from ._endpoint import PeerView, check_compatible
@@ -27,6 +34,7 @@ from ._layout import (
     KVLayout,
     MemoryType,
     Region,
+    Staging,
     layer_regions,
 )
 from ._messages import (
@@ -63,6 +71,7 @@ from ._outputs import (
     StartWrite,
 )
 from ._producer import Producer
+from ._slots import SlotPool
 from ._tables import CState, PeerState, PState
 from ._timeline import OpStamps, Timeline
 from ._topology import HeadSlice, Route, Topology, compute_topology
@@ -83,6 +92,7 @@ __all__ = (
     "MAX_ID_LEN",
     "MAX_NOTICE_BYTES",
     "MAX_REGIONS",
+    "MAX_STAGED_GROUPS",
     "MIN_SECRET_BYTES",
     "PROTOCOL_VERSION",
     "WIRE_VERSION",
@@ -141,8 +151,10 @@ __all__ = (
     "Route",
     "Send",
     "Settled",
+    "SlotPool",
     "Source",
     "SourceReleased",
+    "Staging",
     "StartRead",
     "StartWrite",
     "Timeline",

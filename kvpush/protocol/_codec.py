@@ -19,12 +19,14 @@ transport's transfer notification, so fixed fields instead of msgpack::
 
     0     3   magic b"KVN"            13  2  source tp, uint16 LE
     3     1   wire version            15  2  source pp, uint16 LE
-    4     1   flags (bit 0 = MAC)     17  2  consumer rank, uint16 LE
-    5     8   epoch, uint64 LE        19  n  transfer id, UTF-8 (the rest)
-    19+n  16  HMAC-SHA256 truncated to 128 bits (only with flag bit 0)
+    4     1   flags (bit 0 = MAC,     17  2  consumer rank, uint16 LE
+              bit 1 = staged)         19  s  staged (only with flag bit 1): a count
+    5     8   epoch, uint64 LE               byte k <= 7, then k uint32 LE
+    19+s  n   transfer id, UTF-8 (the rest)
+    19+s+n 16 HMAC-SHA256 truncated to 128 bits (only with flag bit 0)
 
-A notice is at most ``35 + len(transfer_id)`` bytes, within ``64 + len(transfer_id)``
-and :data:`MAX_NOTICE_BYTES`.
+A notice is at most ``64 + len(transfer_id)`` bytes (:data:`MAX_NOTICE_BYTES`):
+a staged transfer of more than 7 KV groups is written in place.
 
 Field encodings: str as msgpack str; ints as msgpack ints; seconds as float64;
 enums by their string value (stable when members are added or reordered);
@@ -88,6 +90,7 @@ from ._types import MAX_ID_LEN
 
 __all__ = (
     "MAX_NOTICE_BYTES",
+    "MAX_STAGED_GROUPS",
     "MIN_SECRET_BYTES",
     "WIRE_VERSION",
     "AuthenticationError",
@@ -109,7 +112,10 @@ _HEADER = 6
 _MAC_BYTES = 32
 _NOTICE_MAC_BYTES = 16
 _FLAG_MAC = 0x01
+_FLAG_STAGED = 0x02
 _NOTICE = struct.Struct("<3sBBQHHH")
+#: Most KV groups a staged notice names (keeps it within MAX_NOTICE_BYTES).
+MAX_STAGED_GROUPS = 7
 _HANDSHAKE_LABEL = b"kvpush channel handshake\0"
 
 
@@ -335,8 +341,17 @@ class Codec:
             rank: int = kinds["consumer_rank"][0](notice.consumer_rank)
         except FieldError as exc:
             raise LocalProtocolError(f"Completion: {exc}") from None
-        flags = 0 if self._mac is None else _FLAG_MAC
+        staged = notice.staged
+        if not isinstance(staged, tuple) or len(staged) > MAX_STAGED_GROUPS:
+            raise LocalProtocolError(
+                f"Completion: staged must be a tuple of <= {MAX_STAGED_GROUPS}"
+            )
+        if any(type(n) is not int or not 0 <= n < 1 << 32 for n in staged):
+            raise LocalProtocolError("Completion: staged token counts must be uint32")
+        flags = (0 if self._mac is None else _FLAG_MAC) | (_FLAG_STAGED if staged else 0)
         data = _NOTICE.pack(_NOTICE_MAGIC, WIRE_VERSION, flags, epoch, tp, pp, rank)
+        if staged:
+            data += struct.pack(f"<B{len(staged)}I", len(staged), *staged)
         data += tid.encode()
         if self._mac is not None:
             data += _tag(self._mac, data)[:_NOTICE_MAC_BYTES]
@@ -352,9 +367,17 @@ class Codec:
         _, version, flags, epoch, tp, pp, rank = _NOTICE.unpack_from(data)
         if version != WIRE_VERSION:
             raise UnsupportedVersionError(version, WIRE_VERSION)
-        end = self._verify(data, flags, _NOTICE_MAC_BYTES, _NOTICE.size)
+        end = self._verify(data, flags & ~_FLAG_STAGED, _NOTICE_MAC_BYTES, _NOTICE.size)
+        at = _NOTICE.size
+        staged: tuple[int, ...] = ()
+        if flags & _FLAG_STAGED:
+            count = data[at] if at < end else 0
+            if not 1 <= count <= MAX_STAGED_GROUPS or at + 1 + 4 * count > end:
+                raise RemoteProtocolError("Completion: malformed staged token counts")
+            staged = struct.unpack_from(f"<{count}I", data, at + 1)
+            at += 1 + 4 * count
         try:
-            tid = data[_NOTICE.size : end].decode()
+            tid = data[at:end].decode()
         except UnicodeDecodeError:
             raise RemoteProtocolError("Completion: transfer id is not UTF-8") from None
         kinds = self._notice
@@ -365,4 +388,4 @@ class Codec:
             kinds["consumer_rank"][1](rank)
         except FieldError as exc:
             raise RemoteProtocolError(f"Completion: {exc}") from None
-        return Completion(tid, epoch, source, rank)
+        return Completion(tid, epoch, source, rank, staged)

@@ -285,7 +285,8 @@ def _layout_kind(max_bytes: int) -> Kind:
 
 
 def _unpack_layout(data: bytes) -> KVLayout:
-    maps = capped(MAX_REGIONS + 1, "too many maps in the KV layout")
+    # Its own map, one per region and one for its staging pool.
+    maps = capped(MAX_REGIONS + 2, "too many maps in the KV layout")
     # A valid layout holds one array (its regions); without this cap a 1 MiB
     # bin of nested empty arrays builds ~1M lists (~64 MiB).
     lists = capped(1, "too many arrays in the KV layout")
@@ -321,6 +322,25 @@ def _ranks_kind(max_ranks: int, max_bytes: int) -> Kind:
             raise FieldError("ranks must be bins")
         check(blobs)
         return tuple(blobs)
+
+    return enc, dec
+
+
+def _stage_kind() -> Kind:
+    """A staging slot: ``[]`` (none) or ``[offset, nbytes]``, nbytes > 0."""
+
+    def check(v: list[Any]) -> tuple[int, ...]:
+        if len(v) not in (0, 2) or any(type(x) is not int or not 0 <= x <= U64_MAX for x in v):
+            raise FieldError(f"expected [] or [offset, nbytes], got {_show(v)}")
+        if v and v[1] == 0:
+            raise FieldError("a staging slot has nbytes > 0")
+        return tuple(v)
+
+    def enc(v: Any) -> list[int]:
+        return list(check(list(_seq(v, 0, 2, "stage"))))
+
+    def dec(v: Any) -> tuple[int, ...]:
+        return check(list(_wire_list(v, 0, 2, "stage")))
 
     return enc, dec
 
@@ -407,6 +427,7 @@ def schemas(lim: CodecLimits) -> dict[type[Any], Schema]:
             ("mode", _enum_kind(Mode)),
             ("skip_tokens", _int_kind(0, EPOCH_MAX)),
             ("attempt", attempt),
+            ("stage", _stage_kind()),
         ),
         Withdraw: key,
         Abort: key,

@@ -158,7 +158,10 @@ class ConsumerConfig:
     this (failed epochs it neither settled nor was lost after their
     quarantine), reservations from it are refused (``PEER_SUSPECT``).
     ``epoch_base``: epochs this endpoint hands out start above it (use e.g. a
-    start timestamp).
+    start timestamp). ``staging_bytes``: the staging pool every consumer
+    rank registers (``KVLayout.staging``, at least this large), handed out
+    in slots of whole ``staging_page`` pages to push reservations that ask
+    (``reserve(stage_bytes=...)``); 0: none, every transfer in place.
     """
 
     identity: Identity
@@ -168,6 +171,8 @@ class ConsumerConfig:
     epoch_base: int = 0
     max_ready_timeout: float | None = None
     max_suspect_blocks: int = 0
+    staging_bytes: int = 0
+    staging_page: int = 1 << 16
 
     def __post_init__(self) -> None:
         _positive("ready_timeout", self.ready_timeout)
@@ -181,6 +186,10 @@ class ConsumerConfig:
             raise ConfigError("max_reserved_blocks must be >= 0 or None")
         if self.epoch_base < 0:
             raise ConfigError("epoch_base must be >= 0")
+        if type(self.staging_bytes) is not int or self.staging_bytes < 0:
+            raise ConfigError("staging_bytes must be an int >= 0")
+        if type(self.staging_page) is not int or self.staging_page < 1:
+            raise ConfigError("staging_page must be an int >= 1")
 
     @property
     def ready_limit(self) -> float:

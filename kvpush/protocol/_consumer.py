@@ -30,6 +30,7 @@ from ._messages import (
     WriteFailed,
 )
 from ._outputs import Failed, Ready, Released, Send, StartRead
+from ._slots import SlotPool
 from ._tables import CONSUMER_PULL, CONSUMER_PUSH, CInput, CState, PeerState
 from ._timeline import OpStamps, Timeline, TimelineBuilder
 from ._topology import Topology
@@ -67,10 +68,13 @@ class RefuseReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Reserved:
-    """The reservation was made; ``epoch`` identifies it."""
+    """The reservation was made; ``epoch`` identifies it. ``stage``: its
+    staging slot ``(offset, nbytes)`` in every rank's pool, owned like its
+    blocks until ``Ready`` or ``Released`` (empty: none)."""
 
     transfer_id: str
     epoch: int
+    stage: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,8 @@ class _Reservation:
     deadline: float
     timeline: TimelineBuilder
     skip_tokens: int = 0
+    #: The staging slot it owns, ``(offset, nbytes)``; empty: none.
+    stage: tuple[int, ...] = ()
     state: CState = CState.WAITING_PEER
     topology: Topology | None = None
     #: How many (source, consumer rank) pairs the topology expects (set at registration).
@@ -171,6 +177,7 @@ class Consumer(Endpoint):
         self._reserved_blocks = 0
         #: Suspect blocks per producer (see ``CState.SUSPECT``).
         self._suspect: dict[str, int] = {}
+        self._slots = SlotPool(config.staging_bytes, config.staging_page)
 
     # --- queries ------------------------------------------------------------
 
@@ -178,6 +185,11 @@ class Consumer(Endpoint):
     def reserved_blocks(self) -> int:
         """Blocks currently reserved, draining reservations included."""
         return self._reserved_blocks
+
+    @property
+    def staging_bytes_used(self) -> int:
+        """Bytes of the staging pool in slots now (draining reservations too)."""
+        return self._slots.used * self._slots.page
 
     @property
     def suspect_blocks(self) -> int:
@@ -210,15 +222,21 @@ class Consumer(Endpoint):
         mode: Mode = Mode.PUSH,
         deadline: float | None = None,
         skip_tokens: int = 0,
+        stage_bytes: int = 0,
     ) -> Reserved | Refused:
         """Reserve ``blocks`` (ids per KV group) for ``transfer_id`` from producer
         ``peer`` and register them once the handshake is done. ``skip_tokens``:
         tokens this side already holds (a prefix hit); ``blocks`` start there.
+        ``stage_bytes``: push only, the staging slot to take with them if the
+        pool has room (the bytes of ``blocks`` on the largest rank); with none
+        free the transfer is written in place.
         Returns :class:`Refused` instead of raising when the caller can act on it."""
         check_transfer_id(transfer_id)
         ids = check_blocks(blocks, self.identity.kv_groups)
         if type(skip_tokens) is not int or skip_tokens < 0:
             raise LocalProtocolError(f"skip_tokens must be an int >= 0, got {skip_tokens!r}")
+        if type(stage_bytes) is not int or stage_bytes < 0:
+            raise LocalProtocolError(f"stage_bytes must be an int >= 0, got {stage_bytes!r}")
         if transfer_id in self._live:
             raise LocalProtocolError(
                 f"transfer {transfer_id!r} already has a live reservation; preempt or abort it"
@@ -244,6 +262,7 @@ class Consumer(Endpoint):
             TimelineBuilder(transfer_id, self._epoch, reserved=now),
             skip_tokens=skip_tokens,
         )
+        self._take_slot(rec, stage_bytes)
         self._res[(transfer_id, rec.epoch)] = rec
         self._live[transfer_id] = rec
         self._reserved_blocks += nblocks
@@ -256,7 +275,13 @@ class Consumer(Endpoint):
             # Our hello went unanswered through every retry: try again now.
             self._counters["hello_restarted_by_reserve"] += 1
             self.connect(now, peer)
-        return Reserved(transfer_id, rec.epoch)
+        return Reserved(transfer_id, rec.epoch, rec.stage)
+
+    def _take_slot(self, rec: _Reservation, nbytes: int) -> None:
+        """A push reservation's staging slot, if it asks and one is free."""
+        if nbytes and rec.mode is Mode.PUSH:
+            rec.stage = self._slots.take(nbytes) or ()
+            self._counters["staged" if rec.stage else "staging_full"] += 1
 
     def _refusal(
         self, peer: str, view: PeerView | None, mode: Mode, nblocks: int
@@ -748,6 +773,7 @@ class Consumer(Endpoint):
             rec.mode,
             rec.skip_tokens,
             rec.attempt,
+            rec.stage,
         )
         self._out.append(Send(rec.peer, msg))
 
@@ -771,3 +797,5 @@ class Consumer(Endpoint):
         if self._live.get(rec.transfer_id) is rec:
             del self._live[rec.transfer_id]
         self._reserved_blocks -= rec.nblocks
+        if rec.stage:
+            self._slots.give(rec.stage)

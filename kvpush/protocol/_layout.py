@@ -43,6 +43,7 @@ __all__ = (
     "KVLayout",
     "MemoryType",
     "Region",
+    "Staging",
     "layer_regions",
 )
 
@@ -215,6 +216,52 @@ def _summary(values: Sequence[str]) -> str:
     return values[0] if len(set(values)) == 1 else "mixed:" + _digest(tuple(values))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Staging:
+    """One rank's registered staging pool: ``nbytes`` bytes at ``base``.
+
+    A staged transfer gathers its scattered KV pieces into the producer's pool,
+    moves them as one span per region into a slot of the consumer's pool, and
+    the consumer scatters them into its blocks before the transfer counts as
+    complete (docs/layouts.md, "Staged transfers"). The consumer's core hands
+    out its slots (:class:`~kvpush.protocol.ConsumerConfig`); the producer's
+    runtime borrows its own per write.
+    """
+
+    base: int
+    nbytes: int
+    memory: MemoryType = MemoryType.VRAM
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        _int("Staging.base", self.base, 0, _ADDR_LIMIT - 1)
+        _int("Staging.nbytes", self.nbytes, 1, _ADDR_LIMIT - 1 - self.base)
+        _int("Staging.device", self.device, 0, (1 << 31) - 1)
+        if not isinstance(self.memory, MemoryType):
+            raise ConfigError(f"Staging.memory must be a MemoryType, got {self.memory!r}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "base": self.base,
+            "nbytes": self.nbytes,
+            "memory": self.memory.value,
+            "device": self.device,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: object) -> Staging:
+        keys = {"base", "nbytes", "memory", "device"}
+        if not isinstance(obj, dict) or set(obj) != keys:
+            raise RemoteProtocolError(
+                "KV layout staging must be a dict of base, nbytes, memory, device"
+            )
+        try:
+            memory = MemoryType(obj["memory"])
+            return cls(base=obj["base"], nbytes=obj["nbytes"], memory=memory, device=obj["device"])
+        except (ConfigError, ValueError, TypeError) as exc:
+            raise RemoteProtocolError(f"bad KV layout staging: {exc}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """All KV regions of one rank. Their order is local: regions pair across
@@ -228,8 +275,13 @@ class KVLayout:
     """
 
     regions: tuple[Region, ...]
+    #: The rank's staging pool, if it has one (not part of the fingerprint:
+    #: either side may go without; a transfer is then written in place).
+    staging: Staging | None = None
 
     def __post_init__(self) -> None:
+        if self.staging is not None and not isinstance(self.staging, Staging):
+            raise ConfigError(f"KVLayout.staging is not a Staging: {self.staging!r}")
         regions = self.regions
         if not isinstance(regions, (tuple, list)) or not 1 <= len(regions) <= MAX_REGIONS:
             raise ConfigError(f"KVLayout.regions must hold 1 to {MAX_REGIONS} regions")
@@ -298,7 +350,13 @@ class KVLayout:
         Values are only ``int``, ``str``, ``list`` and ``dict``; enums travel as
         their ``value`` strings.
         """
-        return {"version": LAYOUT_WIRE_VERSION, "regions": [r.to_wire() for r in self.regions]}
+        out: dict[str, Any] = {
+            "version": LAYOUT_WIRE_VERSION,
+            "regions": [r.to_wire() for r in self.regions],
+        }
+        if self.staging is not None:
+            out["staging"] = self.staging.to_wire()
+        return out
 
     @classmethod
     def from_wire(cls, obj: object) -> KVLayout:
@@ -308,8 +366,14 @@ class KVLayout:
         malformed input: wrong types, missing or unknown keys, out-of-range
         values, or a layout that breaks a :class:`KVLayout` invariant.
         """
-        if not isinstance(obj, dict) or set(obj) != {"version", "regions"}:
-            raise RemoteProtocolError("KV layout must be a dict with keys version, regions")
+        if not isinstance(obj, dict) or not {"version", "regions"} <= set(obj) <= {
+            "version",
+            "regions",
+            "staging",
+        }:
+            raise RemoteProtocolError(
+                "KV layout must be a dict with keys version, regions (and staging)"
+            )
         if type(obj["version"]) is not int or obj["version"] != LAYOUT_WIRE_VERSION:
             raise RemoteProtocolError(f"KV layout version {obj['version']!r:.40} is not supported")
         items = obj["regions"]
@@ -318,8 +382,9 @@ class KVLayout:
         regions: list[Region] = []
         for i, item in enumerate(items):
             regions.append(_region_from_wire(i, item))
+        staging = Staging.from_wire(obj["staging"]) if "staging" in obj else None
         try:
-            return cls(tuple(regions))
+            return cls(tuple(regions), staging)
         except ConfigError as exc:
             raise RemoteProtocolError(f"bad KV layout: {exc}") from None
 

@@ -100,6 +100,10 @@ class Register:
     #: How many times this epoch was registered before: each answered
     #: ``Rejected(STALLED)``, so none was taken (the stall rule's retry).
     attempt: int = 0
+    #: Push: ``(offset, nbytes)`` of the staging slot this epoch owns in every
+    #: consumer rank's pool (``KVLayout.staging``), owned and released exactly
+    #: like ``blocks``; empty: none (the producer writes in place).
+    stage: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +221,10 @@ class Completion:
     epoch: int
     source: Source
     consumer_rank: int
+    #: Staged: per KV group, the tokens (from the registration's first) whose
+    #: bytes this write left in the consumer's staging slot, to be scattered
+    #: into its blocks before the notice counts. Empty: written in place.
+    staged: tuple[int, ...] = ()
 
 
 ControlMessage = (

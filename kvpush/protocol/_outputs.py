@@ -67,6 +67,9 @@ class StartWrite:
     skip_tokens: int = 0
     #: Source blocks per KV group written by earlier increments of the epoch.
     first: tuple[int, ...] = ()
+    #: The consumer's staging slot for this epoch, ``(offset, nbytes)`` in
+    #: each consumer rank's pool (``Register.stage``); empty: none.
+    stage: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

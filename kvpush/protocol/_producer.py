@@ -506,7 +506,14 @@ class Producer(Endpoint):
         rec.max_epoch, rec.max_attempt = msg.epoch, msg.attempt
         rec.timeline.registration_received = now
         reg = Reg(
-            msg.epoch, peer, msg.blocks, now + msg.lease, msg.mode, msg.skip_tokens, msg.attempt
+            msg.epoch,
+            peer,
+            msg.blocks,
+            now + msg.lease,
+            msg.mode,
+            msg.skip_tokens,
+            msg.attempt,
+            msg.stage if msg.mode is Mode.PUSH else (),
         )
         if rec.state in (PState.WRITING, PState.LENT):  # it waits for the live epoch
             if rec.pending is not None:
@@ -760,6 +767,7 @@ class Producer(Endpoint):
                     notice,
                     reg.skip_tokens,
                     first,
+                    reg.stage,
                 )
             )
 

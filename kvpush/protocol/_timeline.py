@@ -25,6 +25,9 @@ class OpStamps(NamedTuple):
     planned: float
     posted: float
     done: float
+    #: Bytes the op moved staged (gathered, written as spans, scattered on
+    #: arrival); 0: written in place.
+    staged: int = 0
 
     def check(self) -> OpStamps:
         """``self``; :class:`LocalProtocolError` unless the stamps are in order."""

@@ -46,6 +46,8 @@ class Reg:
     mode: Mode
     skip_tokens: int = 0
     attempt: int = 0
+    #: The consumer's staging slot (``Register.stage``); empty: none.
+    stage: tuple[int, ...] = ()
 
 
 #: ``max_attempt`` of an epoch the consumer ended (Withdraw, Abort) or

@@ -35,6 +35,7 @@ from ._runtime import (
     decode_rank,
     encode_rank,
 )
+from ._stage import Copier, CostModel, HostCopier, stage_bytes
 from ._transport import (
     Completed,
     Descriptors,
@@ -53,6 +54,8 @@ __all__ = (
     "Completed",
     "ConsumerRuntime",
     "ControlChannel",
+    "Copier",
+    "CostModel",
     "DataPlane",
     "DataPlaneLike",
     "Descriptors",
@@ -60,6 +63,7 @@ __all__ = (
     "EndpointRuntime",
     "Fence",
     "Garbage",
+    "HostCopier",
     "Indices",
     "Notice",
     "NoticeIn",
@@ -82,6 +86,7 @@ __all__ = (
     "decode_rank",
     "encode_rank",
     "plan_transfer",
+    "stage_bytes",
     "transport_kind",
     "transport_kinds",
 )

@@ -47,6 +47,7 @@ from typing import Protocol
 from kvpush.protocol import (
     Codec,
     Completion,
+    HeadSlice,
     KVLayout,
     KvpushError,
     OpStamps,
@@ -58,6 +59,8 @@ from kvpush.protocol import (
 )
 
 from ._plan import TransferPlanner
+from ._stage import Copier, CostModel
+from ._stager import Stager
 from ._transport import PreppedTransport, Transport
 
 __all__ = ("DataPlane", "Fence", "NoticeIn", "OpResult", "PeerRanks", "Rank")
@@ -140,6 +143,8 @@ class DataPlane:
         inflight_poll_interval: float = 0.00002,
         busy_for: float = 0.05,
         expecting: bool = True,
+        copier: Copier | None = None,
+        costs: CostModel | None = None,
     ) -> None:
         for name, value in (
             ("poll_interval", poll_interval),
@@ -188,6 +193,12 @@ class DataPlane:
         self.posted = 0
         self.bytes_posted = 0
         self.failed_posts = 0
+        #: Staged transfers (docs/layouts.md): on for the ranks whose layout
+        #: has a staging pool, given a copier for their memory.
+        self.stager = Stager(copier, {i: r.layout for i, r in self.ranks.items()}, costs)
+        #: (rank index, handle) -> the staging slot a posted write borrowed,
+        #: and the bytes it staged.
+        self._borrowed: dict[tuple[int, int], tuple[tuple[int, int, int], int]] = {}
         # Registered now: a rank's metadata (for the handshake) may list it.
         for rank in self.ranks.values():
             rank.transport.register(rank.layout)
@@ -223,6 +234,25 @@ class DataPlane:
             self._expect_sent = expecting
             self._inbox.put(("expect", expecting))
 
+    def stage_need(self, blocks: list[list[int]]) -> int:
+        """Consumer: the staging slot a push reservation of ``blocks`` should
+        ask its core for (``Consumer.reserve(stage_bytes=...)``); 0: none."""
+        return self.stager.need(blocks)
+
+    def stage(
+        self, transfer_id: str, epoch: int, blocks: list[list[int]], slot: tuple[int, ...]
+    ) -> None:
+        """Consumer: a reservation that owns staging ``slot`` (``Reserved.stage``)
+        and ``blocks``; its staged notices are scattered into them. Call
+        before its registration can reach the producer; any thread."""
+        self.stager.stage((transfer_id, epoch), blocks, slot)
+
+    def unstage(self, transfer_id: str, epoch: int) -> None:
+        """Consumer: the reservation ended (its ``Ready`` or ``Released``, to be
+        called before either reaches the owner of the blocks); returns once no
+        scatter into its blocks runs or ever will. Any thread."""
+        self.stager.unstage((transfer_id, epoch))
+
     def metadata(self) -> dict[int, bytes]:
         """Our ranks' transport metadata, for the handshake."""
         return {i: r.transport.metadata() for i, r in self.ranks.items()}
@@ -241,6 +271,9 @@ class DataPlane:
         leftover += [OpResult(a, "data plane stopped") for a, _ in self._fenced]
         self._posted.clear()
         self._fenced.clear()
+        for slot, _ in self._borrowed.values():
+            self.stager.settled(slot)
+        self._borrowed.clear()
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
@@ -261,6 +294,7 @@ class DataPlane:
         self.native_id = threading.get_native_id()
         command: tuple[str, object] | None = None
         try:
+            self.stager.calibrate()
             while not self._stop.is_set():
                 results = self._take_commands(command)
                 command = None  # run: not to be handed back by the finally below
@@ -279,15 +313,23 @@ class DataPlane:
                     now = time.monotonic()
                     self._busy_until = now + self._busy_for
                     for c in completed:
+                        borrowed = self._borrowed.pop((index, c.handle), None)
+                        if borrowed is not None:
+                            self.stager.settled(borrowed[0])
                         posted = self._posted.pop((index, c.handle), None)
                         if posted is not None:
                             action, started, planned, sent = posted
-                            stamps = OpStamps(started, planned, sent, max(now, sent))
+                            staged = borrowed[1] if borrowed is not None else 0
+                            stamps = OpStamps(started, planned, sent, max(now, sent), staged)
                             results.append(OpResult(action, c.error, stamps))
                     for n in notices:
                         notice = self.codec.decode_notice(n.payload)
-                        results.append(NoticeIn(notice, self._senders.get(n.peer), now))
+                        self._arrived(NoticeIn(notice, self._senders.get(n.peer), now), results)
                     busy = busy or bool(completed or notices)
+                if self.stager.parked:
+                    for until, item in self.stager.unpark():
+                        assert isinstance(item, NoticeIn)
+                        self._arrived(item, results, until)
                 nap: float | None
                 if results:
                     self._on_results(results)
@@ -309,6 +351,44 @@ class DataPlane:
             if command is not None:  # taken but not run: stop() reports it
                 self._inbox.put(command)
 
+    def _arrived(self, item: NoticeIn, results: list[Result], until: float | None = None) -> None:
+        """A notice polled: a staged one is scattered first (or waits for its
+        reservation's record, until ``until``); then it goes to the core."""
+        notice = item.notice
+        if notice.staged:
+            error = self._scatter(item)
+            if error == "park":
+                self.stager.park(item, until)
+                return
+            if error is not None:
+                self.stager.dropped_notices += 1
+                log.error("staged notice of %s dropped: %s", notice.transfer_id, error)
+                return
+        results.append(item)
+
+    def _scatter(self, item: NoticeIn) -> str | None:
+        notice, peer = item.notice, item.peer
+        rank = self.ranks.get(notice.consumer_rank)
+        if self.role is not Role.CONSUMER or not self.stager.enabled or rank is None:
+            return "this rank offered no staging slot"
+        if peer is None or peer not in self._peers:
+            return "from an unknown peer"
+        local, remote = self._indices(peer, notice.source, notice.consumer_rank)
+        theirs = self._peers[peer].ranks.get(remote)
+        if theirs is None:
+            return f"from unknown rank {notice.source}"
+        mine, other = rank.layout.regions[0], theirs[1].regions[0]
+        lo = max(mine.head_start, other.head_start)
+        hi = min(mine.head_start + mine.num_heads, other.head_start + other.num_heads)
+        if hi <= lo:
+            return f"{notice.source} holds none of this rank's heads"
+        route = Route(notice.source, notice.consumer_rank, HeadSlice(lo, hi - lo))
+        try:
+            planner = self._planner(peer, route, local, remote)
+        except KvpushError as exc:
+            return str(exc)
+        return self.stager.scatter(notice, local, planner)
+
     def _nap(self) -> float | None:
         """How long to wait for a command before polling again, when the last
         poll brought nothing (notices arrive without any command); None: until
@@ -326,7 +406,7 @@ class DataPlane:
         thread in the same process needs for its next step."""
         if self._posted or self._fenced:
             return self._inflight_poll_interval
-        if time.monotonic() < self._busy_until:
+        if time.monotonic() < self._busy_until or self.stager.parked:
             return self._busy_poll_interval
         if self._expecting:
             return self._poll_interval
@@ -430,9 +510,20 @@ class DataPlane:
                 partial=write and note is None,
             )
             planned = time.monotonic()
+            staged = None
+            if isinstance(action, StartWrite):
+                remote = peer.ranks[remote_index][1]
+                staged, note = self.stager.write(action, local_index, planner, plan, remote)
             notice = b"" if note is None else self.codec.encode_notice(note)
             prepper = self._preppers.get(local_index)
-            if prepper is not None and prepper.prefers_prepped(
+            if staged is not None:
+                try:
+                    handle = rank.transport.write(agent, staged.src, staged.dst, notice)
+                except KvpushError:
+                    self.stager.settled(staged.slot)
+                    raise
+                self._borrowed[(local_index, handle)] = (staged.slot, staged.nbytes)
+            elif prepper is not None and prepper.prefers_prepped(
                 plan.num_descriptors, plan.num_pieces
             ):
                 self._prep(prepper, agent, action.peer, route, planner)

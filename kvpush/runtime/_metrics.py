@@ -143,3 +143,34 @@ class EndpointMetrics(Collector):
             )
             moved.add_metric(values, self.dataplane.bytes_posted)
             yield moved
+            st = self.dataplane.stager
+            writes = CounterMetricFamily(
+                "kvpush:writes",
+                "Writes posted, by the way the cost model sent them (docs/layouts.md).",
+                labels=[*names, "path"],
+            )
+            writes.add_metric([*values, "staged"], st.staged_writes)
+            writes.add_metric([*values, "direct"], st.direct_writes)
+            yield writes
+            staged = CounterMetricFamily(
+                "kvpush:staged_bytes", "Bytes gathered into staging slots.", labels=names
+            )
+            staged.add_metric(values, st.staged_bytes)
+            yield staged
+            pool = GaugeMetricFamily(
+                "kvpush:staging_bytes",
+                "Staging memory in slots now (producer: lent to writes in flight; "
+                "consumer: owned by reservations).",
+                labels=names,
+            )
+            used = ep.staging_bytes_used if isinstance(ep, Consumer) else st.pool_used()
+            pool.add_metric(values, used)
+            yield pool
+            scattered = CounterMetricFamily(
+                "kvpush:scatters",
+                "Staged notices scattered into blocks, and dropped (no reservation).",
+                labels=[*names, "outcome"],
+            )
+            scattered.add_metric([*values, "scattered"], st.scatters)
+            scattered.add_metric([*values, "dropped"], st.dropped_notices)
+            yield scattered

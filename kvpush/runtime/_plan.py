@@ -267,6 +267,21 @@ class TransferPlanner:
         self._classes = self._classify()
         self._py = tuple(_PyClass.of(cls) for cls in self._classes)
 
+    @property
+    def chunk_tokens(self) -> tuple[int, ...]:
+        """Per KV group, the tokens of one chunk (the finer block size)."""
+        return tuple(self._chunk)
+
+    @property
+    def ratios(self) -> tuple[tuple[int, int], ...]:
+        """Per KV group, chunks per block on the producer and on the consumer."""
+        return tuple(self._ratio)
+
+    @property
+    def classes(self) -> tuple[_Class, ...]:
+        """The region pairs grouped by geometry, with their chunk templates."""
+        return tuple(self._classes)
+
     def _check_pair(self, p: Region, c: Region) -> None:
         if p.group != c.group:
             raise IncompatiblePeerError(
@@ -430,7 +445,7 @@ class TransferPlanner:
         rs, rd = self._ratio[g]
         s = _block_ids(src, "source", g, self._limits[g][0], unique=False)
         d = _block_ids(dst, "destination", g, self._limits[g][1], unique=True)
-        span = _chunk_span(self._chunk[g], rs, rd, s.size, d.size, skip, done, partial)
+        span = chunk_span(self._chunk[g], rs, rd, s.size, d.size, skip, done, partial)
         if isinstance(span, str):
             raise LocalProtocolError(f"KV group {g}: {span}")
         # Chunk i of the request is chunk i - base of the destination list.
@@ -585,7 +600,7 @@ class _PyClass:
 _PyChunks = tuple[list[int], list[int], list[int], list[int]]
 
 
-def _chunk_span(
+def chunk_span(
     chunk: int, rs: int, rd: int, ns: int, nd: int, skip: int, done: int, partial: bool
 ) -> tuple[int, int, int] | str:
     """``(base, first, end)``: chunks ``first..end`` of the request are copied,
@@ -637,7 +652,7 @@ def _small_chunks(
     if len(set(dst)) != nd:
         return None
     rs, rd = pl._ratio[g]
-    span = _chunk_span(pl._chunk[g], rs, rd, ns, nd, skip, done, partial)
+    span = chunk_span(pl._chunk[g], rs, rd, ns, nd, skip, done, partial)
     if isinstance(span, str):
         return None
     base, first, end = span

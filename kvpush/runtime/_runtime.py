@@ -38,6 +38,7 @@ from kvpush.protocol import (
     Producer,
     Ready,
     Refused,
+    Released,
     RemoteProtocolError,
     Reserved,
     Send,
@@ -87,6 +88,14 @@ class DataPlaneLike(Protocol):
     def submit(self, action: StartWrite | StartRead) -> None: ...
 
     def add_peer(self, peer: PeerRanks) -> None: ...
+
+    def stage_need(self, blocks: list[list[int]]) -> int: ...
+
+    def stage(
+        self, transfer_id: str, epoch: int, blocks: list[list[int]], slot: tuple[int, ...]
+    ) -> None: ...
+
+    def unstage(self, transfer_id: str, epoch: int) -> None: ...
 
 
 def encode_rank(metadata: bytes, layout: KVLayout) -> bytes:
@@ -343,6 +352,9 @@ class EndpointRuntime(Generic[E]):
             else:
                 if isinstance(out, PeerReady) and self.dataplane is not None:
                     self._add_peer(out.peer)
+                if isinstance(out, (Ready, Released)) and self.dataplane is not None:
+                    # Before anyone hears of it: no scatter into its blocks after.
+                    self.dataplane.unstage(out.transfer_id, out.epoch)
                 self._events.append(out)
                 if self._on_event is not None:
                     self._on_event(out)
@@ -557,10 +569,23 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
         mode: Mode = Mode.PUSH,
         skip_tokens: int = 0,
     ) -> Reserved | Refused:
+        """Reserve ``blocks`` (``Consumer.reserve``); a push reservation takes a
+        staging slot when the data plane stages and the pool has room."""
+        dp = self.dataplane
+        need = dp.stage_need(blocks) if dp is not None and mode is Mode.PUSH else 0
         with self.lock:
             result = self.endpoint.reserve(
-                self.now(), transfer_id, peer, blocks, mode=mode, skip_tokens=skip_tokens
+                self.now(),
+                transfer_id,
+                peer,
+                blocks,
+                mode=mode,
+                skip_tokens=skip_tokens,
+                stage_bytes=need,
             )
+            if isinstance(result, Reserved) and result.stage and dp is not None:
+                # Under the lock, before kick() lets the registration out.
+                dp.stage(transfer_id, result.epoch, blocks, result.stage)
         self.kick()
         return result
 

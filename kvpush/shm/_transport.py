@@ -298,6 +298,16 @@ class ShmTransport:
                     f"region {r.name} [{r.base}, {r.base + r.extent}) does not fit in the "
                     f"{self._segment.size}-byte segment {self._segment.name!r}"
                 )
+        st = layout.staging
+        if st is not None and (
+            st.memory is not MemoryType.DRAM
+            or st.device != 0
+            or st.base + st.nbytes > self._segment.size
+        ):
+            raise TransportError(
+                f"the staging pool [{st.base}, {st.base + st.nbytes}) must be DRAM, device 0, "
+                f"inside the {self._segment.size}-byte segment {self._segment.name!r}"
+            )
         if self._layout is not None and self._layout != layout:
             raise TransportError("a different KV layout is already registered")
         self._layout = layout

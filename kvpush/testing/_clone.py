@@ -64,6 +64,7 @@ def _consumer(c: Consumer) -> Consumer:
     }
     new._res = res
     new._suspect = dict(c._suspect)
+    new._slots = _shallow(c._slots, _free=[list(run) for run in c._slots._free])
     new._live = {tid: res[(tid, r.epoch)] for tid, r in c._live.items()}
     return new  # type: ignore[no-any-return]
 
@@ -94,6 +95,7 @@ def _checker(c: InvariantChecker) -> InvariantChecker:
         },
         content={k: set(v) for k, v in c.content.items()},
         dst_owner=dict(c.dst_owner),
+        slot_owner=dict(c.slot_owner),
         src_held=dict(c.src_held),
         src_released=set(c.src_released),
         leases=dict(c.leases),

@@ -59,6 +59,8 @@ class _Res:
     instance: int | None = None
     #: Pull: a read of it moved bytes from source blocks no longer held.
     tainted: bool = False
+    #: Pages of its staging slot (``Reserved.stage``), held until it ends.
+    slot: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -73,6 +75,8 @@ class InvariantChecker:
     #: dst block -> landings since it was last reserved.
     content: dict[int, set[Pair]] = field(default_factory=dict)
     dst_owner: dict[int, Key] = field(default_factory=dict)
+    #: staging page -> the reservation whose slot holds it.
+    slot_owner: dict[int, Key] = field(default_factory=dict)
     #: transfer -> source blocks held (kv_ready and not yet released).
     src_held: dict[str, frozenset[int]] = field(default_factory=dict)
     src_released: set[str] = field(default_factory=set)
@@ -98,17 +102,28 @@ class InvariantChecker:
     # --- inputs -----------------------------------------------------------------
 
     def reserved(
-        self, now: float, tid: str, epoch: int, blocks: frozenset[int], deadline: float
+        self,
+        now: float,
+        tid: str,
+        epoch: int,
+        blocks: frozenset[int],
+        deadline: float,
+        slot: frozenset[int] = frozenset(),
     ) -> None:
         if (tid, epoch) in self.res:
             self.fail(f"epoch {epoch} of {tid} reserved twice")
         if any(r.ended is None and r.blocks & blocks for r in self.res.values()):
             self.fail("a block was reserved twice")
+        taken = {self.slot_owner[p] for p in slot if p in self.slot_owner}
+        if taken:
+            self.fail(f"I1: a staging slot page was handed out while {taken} still owns it")
         q = deadline + self.max_transit + self.op_bound
-        self.res[(tid, epoch)] = _Res(blocks, deadline, q)
+        self.res[(tid, epoch)] = _Res(blocks, deadline, q, slot=slot)
         for b in blocks:
             self.content[b] = set()
             self.dst_owner[b] = (tid, epoch)
+        for p in slot:
+            self.slot_owner[p] = (tid, epoch)
 
     def producer_restarted(self) -> None:
         """The producer died and a new instance started: the old one's memory
@@ -250,6 +265,7 @@ class InvariantChecker:
                 self.fail(f"I2: block {b} of {key} lacks data from some source")
         rec.ended = "ready"
         self.readies.add(out.transfer_id)
+        self._slot_back(key)
 
     def _released(self, now: float, out: Released) -> None:
         key = (out.transfer_id, out.epoch)
@@ -273,6 +289,13 @@ class InvariantChecker:
         rec.ended = "released"
         for b in rec.blocks:
             del self.dst_owner[b]
+        self._slot_back(key)
+
+    def _slot_back(self, key: Key) -> None:
+        """The core gave the reservation's staging slot back (Ready or Released)."""
+        for p in self.res[key].slot:
+            if self.slot_owner.get(p) == key:
+                del self.slot_owner[p]
 
     # --- the model transport --------------------------------------------------------
 
@@ -285,6 +308,12 @@ class InvariantChecker:
             if self.dst_owner.get(b) != key or self.res[key].ended is not None:
                 self.fail(f"I1: data of {key} landed in block {b} it does not own")
             self.content[b].add((*key, op.route.source, op.route.consumer_rank))
+        if isinstance(op, StartWrite) and op.stage:
+            # Staged: the bytes land in the slot first (the scatter into the
+            # blocks, checked above, runs before the notice counts).
+            for p in range(op.stage[0], op.stage[0] + op.stage[1]):
+                if self.slot_owner.get(p) != key or self.res[key].ended is not None:
+                    self.fail(f"I1: data of {key} landed in staging page {p} it does not own")
         if isinstance(op, StartRead):
             # A read that landed is its own completion notice.
             self.res[key].notices.add((op.route.source, op.route.consumer_rank))

@@ -64,6 +64,10 @@ class WorldConfig:
     #: Shake hands over a reliable path when the world is built; ``False``: the
     #: first reservation starts the handshake over the faulty network.
     handshake: bool = True
+    #: Pages of the consumer's staging pool (one per block a push reservation
+    #: holds; 0: none, every write in place). Fewer than the blocks of the
+    #: transfers in play makes slots change hands between epochs.
+    staging_pages: int = 0
 
 
 @dataclass(slots=True)
@@ -103,6 +107,8 @@ class World:
                 timing,
                 ready_timeout=cfg.ready_timeout,
                 max_reserved_blocks=cfg.max_reserved_blocks,
+                staging_bytes=cfg.staging_pages,
+                staging_page=1,
             )
         )
         self.producer_alive = True
@@ -169,13 +175,15 @@ class World:
             return False
         blocks, self.free_dst = self.free_dst[:n], self.free_dst[n:]
         now = self.clock.now
-        result = self.consumer.reserve(now, tid, P, [blocks], mode=mode)
+        stage = n if self.config.staging_pages else 0
+        result = self.consumer.reserve(now, tid, P, [blocks], mode=mode, stage_bytes=stage)
         if not isinstance(result, Reserved):
             self.free_dst = blocks + self.free_dst
             return False
         self.live[tid] = result.epoch
         deadline = now + self.config.ready_timeout
-        self.checker.reserved(now, tid, result.epoch, frozenset(blocks), deadline)
+        slot = frozenset(range(result.stage[0], sum(result.stage))) if result.stage else frozenset()
+        self.checker.reserved(now, tid, result.epoch, frozenset(blocks), deadline, slot)
         self.pump()
         return True
 

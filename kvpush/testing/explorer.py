@@ -464,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         help="2: a source may come in two increments (progressive push)",
     )
     parser.add_argument(
+        "--staging-pages",
+        type=int,
+        default=0,
+        help="the decode's staging pool in pages (a push reservation takes one per block)",
+    )
+    parser.add_argument(
         "--no-reduction", action="store_true", help="walk every order of independent moves too"
     )
     args = parser.parse_args(argv)
@@ -475,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         ready_timeout=1e6,
         kv_hold_timeout=1e6,
         tombstone_ttl=2e6,
+        staging_pages=args.staging_pages,
     )
     result = explore(
         config,

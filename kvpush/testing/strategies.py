@@ -49,4 +49,5 @@ def world_configs(*, faults: bool = True) -> st.SearchStrategy[WorldConfig]:
         tombstone_ttl=st.just(5.0 if faults else 2 * slow),
         max_reserved_blocks=st.sampled_from([None, None, 4] if faults else [None]),
         handshake=st.booleans(),
+        staging_pages=st.sampled_from([0, 0, 2, 4]),
     )

@@ -303,6 +303,8 @@ _KVPUSH = (
     "vllm:kvpush_transfers_failed_total",
     "vllm:kvpush_transfer_bytes_total",
     "vllm:kvpush_notices_total",
+    "vllm:kvpush_staged_writes_total",
+    "vllm:kvpush_scatters_total",
 )
 
 

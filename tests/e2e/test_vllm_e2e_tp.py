@@ -16,8 +16,12 @@ d2         decode, TP 2
 
 TP 2 -> 1: each prefill rank writes its one head into the decode's two-head tiles
 (the decode waits for both ranks); TP 1 -> 2: the prefill's one rank writes a head to
-each decode rank; TP 2 -> 2: rank to rank. The same greedy requests (a batch of 16 at
-once, push and pull) go to the baseline and through a router: the token ids must be
+each decode rank; TP 2 -> 2: rank to rank. p2 and d1 have staging pools and stage every
+write they can (``staging_always``; the cost model would write host memory in place), so
+r21's push goes staged (issue 27: gathered by each prefill rank, one span per rank pair
+into the decode's slot, scattered by the decode before it counts), and every other
+route in place (d2 and p1 have no pool; pull reads in place). The same greedy requests (a
+batch of 16 at once, push and pull) go to the baseline and through a router: the token ids must be
 identical, and the decode's metrics must show the prompts' KV arrived over kvpush,
 one write or read per rank pair; a load that failed and was recomputed fails the test
 (the decode logs each one: ``kvpush: load of ... failed``). The engines nap in vLLM's
@@ -55,6 +59,8 @@ skip_unless_e2e_venv()
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 DECODE = {"kv_load_failure_policy": "recompute"}
+#: Staged transfers (docs/layouts.md): a pool per worker, every write staged.
+STAGED = {"staging_mib": 64, "staging_always": True}
 #: vLLM's queue readers nap instead of spinning (tests/e2e/sitecustomize.py): on 2 cores
 #: a waiting decode's spinning worker otherwise starves a TP 2 engine's all-reduces.
 NAP = {"KVPUSH_E2E_NAP": "1"}
@@ -72,9 +78,9 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         engine("baseline", model, logs, bind="0", block_size=32, more_env=NAP),
         engine("p1", model, logs, bind="1", block_size=32, role="prefill", more_env=NAP),
         engine("p2", model, logs, bind="0|1", block_size=32, role="prefill", tp=2,
-               more_env=NAP),
+               more_env=NAP, extra=STAGED),
         engine("d1", model, logs, bind="1", block_size=32, role="decode", kv=DECODE,
-               more_env=NAP),
+               more_env=NAP, extra=STAGED),
         engine("d2", model, logs, bind="1|0", block_size=32, role="decode", tp=2, kv=DECODE,
                more_env=NAP),
     ]  # fmt: skip
@@ -118,6 +124,10 @@ def test_tensor_parallel_handoffs_match_the_baseline(tp: Cluster, route: str, mo
         assert moved[f"{poster}.transfers_posted_total"] == 2 * len(batch), moved
         if mode == "push":  # and the decode heard every rank pair's write land
             assert moved["decode.notices_total"] == 2 * len(batch), moved
+        # Staged exactly where both sides have a pool and the mode is push: r21.
+        staged = 2 * len(batch) if (route, mode) == ("r21", "push") else 0
+        assert moved["prefill.staged_writes_total"] == staged, moved
+        assert moved["decode.scatters_total"] == staged, moved
 
 
 def _failed_loads(log: Path) -> list[str]:

@@ -47,7 +47,9 @@ from kvpush.protocol import (
     Role,
     check_compatible,
 )
-from kvpush.runtime import TransferPlanner
+from kvpush.runtime import TransferPlanner, stage_bytes
+from kvpush.runtime._stage import scatter_chunks, staged_pieces, write_chunks
+from kvpush_vllm._copier import TorchCopier
 from kvpush_vllm._proven import PROVEN, Facts, check_proven, handshake_fingerprint
 from kvpush_vllm._proven import kv_layout_kind as kind_of
 from kvpush_vllm._tensors import layout_from_tensors
@@ -195,8 +197,45 @@ def _copy(plan: Any, src: tuple[int, int], dst: tuple[int, int]) -> None:
         ctypes.memmove(da, sa, n)
 
 
+def _staged(
+    planner: TransferPlanner,
+    p_views: dict[str, torch.Tensor],
+    d_views: dict[str, torch.Tensor],
+    d_pool: torch.Tensor,
+    p_blocks: list[int],
+    d_blocks: list[int],
+    skip: int,
+) -> None:
+    """One route staged, as the data planes run it: the producer's gather into
+    its pool (the device copier), the spans into the decode's slot (the wire),
+    the decode's scatter into its blocks."""
+    chunks, reach = write_chunks(planner, [p_blocks], [d_blocks], skip, (), False)
+    pieces = staged_pieces(planner, Role.PRODUCER, [len(d_blocks)], chunks)
+    p_pool = torch.zeros(max(1, pieces.nbytes), dtype=torch.uint8)
+    compact = p_pool.data_ptr() + torch.tensor(pieces.kv[:, 1].astype("int64")).cumsum(0)
+    local = pieces.kv.copy()
+    local[:, 0] = (compact - torch.tensor(pieces.kv[:, 1].astype("int64"))).numpy()
+    TorchCopier([*p_views.values(), p_pool]).copy(pieces.kv, local)
+    at, offs, lengths = pieces.spans()
+    for a, o, n in zip(at.tolist(), offs.tolist(), lengths.tolist(), strict=True):
+        assert a + n <= d_pool.numel(), "a span leaves the decode's slot"
+        ctypes.memmove(d_pool.data_ptr() + a, p_pool.data_ptr() + o, n)
+    back = scatter_chunks(planner, [d_blocks], reach)
+    assert not isinstance(back, str), back
+    landing = staged_pieces(planner, Role.CONSUMER, [len(d_blocks)], back)
+    src = landing.kv.copy()
+    src[:, 0] = d_pool.data_ptr() + landing.image
+    TorchCopier([*d_views.values(), d_pool]).copy(src, landing.kv)
+
+
 def handoff(
-    cfg: VllmConfig, p: Engine, d: Engine, tokens: int, skip: int = 0, seed: int = 0
+    cfg: VllmConfig,
+    p: Engine,
+    d: Engine,
+    tokens: int,
+    skip: int = 0,
+    seed: int = 0,
+    staged: bool = False,
 ) -> str | None:
     """Run one cell; return the refused field, or None when every value landed."""
     gen = torch.Generator().manual_seed(seed)
@@ -228,8 +267,15 @@ def handoff(
                     x[torch.tensor(p_blocks)[t // p.block_size], t % p.block_size, h] = want[
                         layer, i, g
                     ]
+    want_blocks = d_blocks[skip // d.block_size :]
+    pools = [torch.zeros(stage_bytes(lay, [want_blocks]), dtype=torch.uint8) for lay in d_layouts]
     for route, planner in routes:
-        plan = planner.plan([p_blocks], [d_blocks[skip // d.block_size :]], skip_tokens=skip)
+        if staged:
+            p_views, d_views = p_caches[route.source.tp], d_caches[route.consumer_rank]
+            pool = pools[route.consumer_rank]
+            _staged(planner, p_views, d_views, pool, p_blocks, want_blocks, skip)
+            continue
+        plan = planner.plan([p_blocks], [want_blocks], skip_tokens=skip)
         _copy(plan, _storage(p_caches[route.source.tp]), _storage(d_caches[route.consumer_rank]))
     rows = t[skip:]
     blocks = torch.tensor(d_blocks)[rows // d.block_size]
@@ -247,12 +293,17 @@ def handoff(
 
 
 def _cell(
-    cfg: VllmConfig, p: Engine, d: Engine, tokens: int | None = None, skip: int = 0
+    cfg: VllmConfig,
+    p: Engine,
+    d: Engine,
+    tokens: int | None = None,
+    skip: int = 0,
+    staged: bool = False,
 ) -> str | None:
     """One cell: its outcome must be :func:`expected`'s (returned: None when exact)."""
     n = tokens if tokens is not None else 2 * max(p.block_size, d.block_size) + 3
     try:
-        got = handoff(cfg, p, d, n, skip)
+        got = handoff(cfg, p, d, n, skip, staged=staged)
     except AssertionError as exc:
         raise AssertionError(f"{p} -> {d}, {n} tokens, {skip} held: {exc}") from None
     assert got == expected(p, d), (p, d)
@@ -270,6 +321,28 @@ def test_every_layout_dtype_and_head_size(vllm_config: VllmConfig, layout: str, 
         for hs, (bp, bd) in itertools.product(HEAD_SIZES, ((16, 32), (32, 16)))
     }
     assert outcomes == ({"kv_layout"} if layout in SCATTERED else {None})
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_every_proven_layout_staged(vllm_config: VllmConfig, layout: str) -> None:
+    """Issue 27: the staged path (gather, spans, scatter through the device
+    copier on CPU tensors) over every dtype, block-size pair, TP pair and a
+    prefix hit, byte for byte and nothing outside the request."""
+    for dtype, hs in itertools.product(DTYPES, (64, 128)):
+        e = Engine(layout, dtype, hs, 16)
+        assert None is _cell(vllm_config, e, Engine(layout, dtype, hs, 32), staged=True)
+    for bp, bd in itertools.product(BLOCK_SIZES, BLOCK_SIZES):
+        p = Engine(layout=layout, block_size=bp, heads=4, head_size=64)
+        d = Engine(layout=layout, block_size=bd, heads=4, head_size=64)
+        assert None is _cell(vllm_config, p, d, staged=True)
+    exact = 0
+    for ptp, dtp in itertools.product(TPS, TPS):
+        p = Engine(layout=layout, tp=ptp, heads=8, head_size=64, block_size=32)
+        d = Engine(layout=layout, tp=dtp, heads=8, head_size=64, block_size=16)
+        exact += _cell(vllm_config, p, d, tokens=70, staged=True) is None
+    assert exact == (16 if layout in ("LBHNC", "BLHNC") else 4)
+    p = Engine(layout=layout, block_size=16, heads=4, head_size=64)
+    assert None is _cell(vllm_config, p, p, tokens=80, skip=32, staged=True)
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
