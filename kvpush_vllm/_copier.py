@@ -89,7 +89,9 @@ class TorchCopier:
         dv = _rows(d_flat, length, dtype, unit)
         s_idx, d_idx = so // length, do // length
         n = s_idx.size
-        if n > 1 and (np.diff(d_idx) == 1).all():
+        if si == di:  # one tensor on both sides: torch refuses overlapping in-place copies
+            dv.index_copy_(0, self._index(d_idx), sv.index_select(0, self._index(s_idx)))
+        elif n > 1 and (np.diff(d_idx) == 1).all():
             lo = int(d_idx[0])
             torch.index_select(sv, 0, self._index(s_idx), out=dv[lo : lo + n])
         elif n > 1 and (np.diff(s_idx) == 1).all():

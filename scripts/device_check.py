@@ -571,8 +571,9 @@ def parse_args() -> argparse.Namespace:
         args.mode = "gpu" if gpu_missing() is None else "cpu"
     blocks = [k * bench.KIB for k in args.block_kib or [b // bench.KIB for b in bench.BLOCK_SIZES]]
     total = (args.total_mib or (1024 if args.mode == "gpu" else 64)) * bench.MIB
+    wire = blocks if "wire" in args.checks else []
     if args.reps < 1 or any(
-        b <= 0 or total % (bench.REGIONS * b) or total < 2 * bench.REGIONS * b for b in blocks
+        b <= 0 or total % (bench.REGIONS * b) or total < 2 * bench.REGIONS * b for b in wire
     ):
         parser.error(
             f"--reps must be at least 1, and --total-mib a multiple of {bench.REGIONS} x "

@@ -238,8 +238,9 @@ TRANSPORT_COSTS = {
 
 def calibrate(copier: Copier, src: U64, dst: U64, repeat: int = 3) -> tuple[float, float]:
     """``(seconds per row, seconds per byte)`` of ``copier``, fitted from
-    copying the rows of ``src`` into ``dst`` as many small rows and as a few
-    large ones (the best of ``repeat`` each)."""
+    copying the rows of ``src`` into ``dst`` as many small rows and as one
+    large one (the best of ``repeat`` each). Each side's rows must tile one
+    range of memory, the two ranges apart."""
 
     def best(s: U64, d: U64) -> float:
         times = []
@@ -251,8 +252,10 @@ def calibrate(copier: Copier, src: U64, dst: U64, repeat: int = 3) -> tuple[floa
 
     nbytes = int(src[:, 1].sum())
     t_many = best(src, dst)
-    one_s = np.array([[src[0, 0], nbytes, src[0, 2]]], dtype=np.uint64)
-    one_d = np.array([[dst[0, 0], nbytes, dst[0, 2]]], dtype=np.uint64)
+    # One row over the same bytes: from the lowest address of each side (the
+    # rows tile one range per side, so the two never overlap).
+    one_s = np.array([[src[:, 0].min(), nbytes, src[0, 2]]], dtype=np.uint64)
+    one_d = np.array([[dst[:, 0].min(), nbytes, dst[0, 2]]], dtype=np.uint64)
     t_one = best(one_s, one_d)
     per_byte = t_one / nbytes
     per_row = max(0.0, (t_many - t_one) / max(1, src.shape[0] - 1))

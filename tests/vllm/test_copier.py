@@ -52,3 +52,14 @@ def test_a_row_outside_the_tensors_is_refused() -> None:
     kv = torch.zeros(64, dtype=torch.uint8)
     with pytest.raises(KvpushError, match="outside the copier's tensors"):
         TorchCopier([kv]).copy(rows(kv, [32], 64), rows(kv, [0], 64))
+
+
+def test_rows_within_one_tensor() -> None:
+    """Source and destination in one buffer (a pool gathered into itself)."""
+    buf = torch.arange(4096, dtype=torch.int64).view(torch.uint8)
+    want = buf.numpy().copy()
+    src, dst = [0, 512, 1024], [8192, 8256, 8320]
+    for s, d in zip(src, dst, strict=True):
+        want[d : d + 64] = want[s : s + 64]
+    TorchCopier([buf]).copy(rows(buf, src, 64), rows(buf, dst, 64))
+    assert np.array_equal(buf.numpy(), want)

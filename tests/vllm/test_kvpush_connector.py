@@ -328,7 +328,8 @@ def test_stats_and_prometheus_hooks(make_scheduler: Any) -> None:
     stats = KvpushConnector.build_kv_connector_stats({"posted": 2, "bytes": 10})
     stats = stats.aggregate(KvpushConnector.build_kv_connector_stats({"posted": 1, "notices": 3}))
     assert stats.reduce() == {
-        "posted": 3, "failed": 0, "bytes": 10, "notices": 3, "refused_params": 0
+        "posted": 3, "failed": 0, "bytes": 10, "notices": 3, "staged": 0, "scattered": 0,
+        "refused_params": 0,
     }  # fmt: skip
     assert not stats.is_empty()
     # A gauge keeps its latest value; phase durations gather.
