@@ -10,6 +10,13 @@ burst uses every pair within one of every other, each side within one request
 of even. An instance with a ``capacity`` (blocks) takes only what fits; when
 no instance of a side has room, :func:`pick` returns ``None`` (a policy cannot
 make room: the caller waits for a release, or refuses).
+
+Health: an instance that is **down** (``up=False``: its router saw it fail
+and its probe has not answered yet) is never picked; :class:`Health` keeps
+that state and when to probe, with exponential backoff. A decode that
+reports **suspect blocks** (KV held until a silent producer proves that no
+write can land, docs/protocol.md) ranks after every decode that reports
+none: it gets new requests only while no clean decode is up.
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from kvpush.protocol import ConfigError, LocalProtocolError
 
-__all__ = ("InstanceLoad", "Ledger", "Pick", "pick")
+__all__ = ("Health", "InstanceLoad", "Ledger", "Pick", "Side", "pick")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,14 +42,22 @@ class InstanceLoad:
     reserved_blocks: int = 0
     #: Blocks it can hold at most; ``None``: no limit known to the router.
     capacity: int | None = None
+    #: It answers (False: down until a probe answers; never picked).
+    up: bool = True
+    #: Blocks it reports as suspect (a decode); > 0 ranks it after clean ones.
+    suspect_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.outstanding, self.reserved_blocks, self.capacity or 0) < 0:
+        if min(self.outstanding, self.reserved_blocks, self.capacity or 0, self.suspect_blocks) < 0:
             raise ConfigError(f"a load is never negative: {self}")
 
     def fits(self, blocks: int) -> bool:
-        """Room for a request of ``blocks`` more."""
-        return self.capacity is None or self.reserved_blocks + blocks <= self.capacity
+        """Up, with room for a request of ``blocks`` more."""
+        return self.up and (self.capacity is None or self.reserved_blocks + blocks <= self.capacity)
+
+
+#: Which side of the fleet an instance is on.
+Side = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +76,7 @@ def pick(
 ) -> Pick | None:
     """The pair for a request of ``blocks`` (see the module); ``pair_used[p][d]``
     counts the requests pair ``(p, d)`` took so far (``None``: none yet).
-    ``None`` when every instance of a side is too full for ``blocks``."""
+    ``None`` when every instance of a side is down or too full for ``blocks``."""
     if not prefills or not decodes or blocks < 1:
         raise ConfigError(f"need an instance per side and blocks >= 1, got {blocks}")
     ps, ds = _least(prefills, blocks), _least(decodes, blocks)
@@ -89,8 +105,13 @@ def _places(n_p: int, n_d: int) -> tuple[tuple[int, ...], ...]:
 
 
 def _least(loads: Sequence[InstanceLoad], blocks: int) -> list[int]:
-    """The indices of the least-loaded instances with room for ``blocks``."""
-    room = {i: (x.reserved_blocks, x.outstanding) for i, x in enumerate(loads) if x.fits(blocks)}
+    """The indices of the least-loaded instances up, with room for ``blocks``
+    (one with suspect blocks only when no instance without any has room)."""
+    room = {
+        i: (x.suspect_blocks > 0, x.reserved_blocks, x.outstanding)
+        for i, x in enumerate(loads)
+        if x.fits(blocks)
+    }
     low = min(room.values(), default=None)
     return [i for i, key in room.items() if key == low]
 
@@ -131,9 +152,88 @@ class Ledger:
         """The decode leg on ``index`` ended: give back what :meth:`acquire` charged."""
         self._charge(1, index, blocks, -1)
 
+    def mark(
+        self, side: Side, index: int, *, up: bool | None = None, suspect_blocks: int | None = None
+    ) -> None:
+        """Set what the router learnt of an instance: up or down, suspect blocks."""
+        loads = self._loads[0 if side == "prefill" else 1]
+        x = loads[index]
+        loads[index] = replace(
+            x,
+            up=x.up if up is None else up,
+            suspect_blocks=x.suspect_blocks if suspect_blocks is None else suspect_blocks,
+        )
+
     def _charge(self, side: int, index: int, blocks: int, n: int) -> None:
         x = self._loads[side][index]
         outstanding, reserved = x.outstanding + n, x.reserved_blocks + n * blocks
         if outstanding < 0 or reserved < 0:
             raise LocalProtocolError(f"release of instance {index} without a matching acquire")
         self._loads[side][index] = replace(x, outstanding=outstanding, reserved_blocks=reserved)
+
+
+class Health:
+    """Which instances of one side are down, and when to probe each again.
+
+    Pure, like the rest of this module: ``now`` (seconds) and the jitter draw
+    ``u`` (uniform in [0, 1)) come in. :meth:`failed` takes an instance down
+    and returns when to probe it: ``first`` seconds, doubling with every
+    failure since its last served request, at most ``most``, times
+    ``1 +- jitter``. A probe that answers brings it back (:meth:`answered`)
+    but keeps the count, so one that keeps failing its requests is probed
+    ever more rarely; a served request resets it (:meth:`served`).
+    """
+
+    def __init__(self, n: int, first: float = 0.5, most: float = 10.0, jitter: float = 0.2) -> None:
+        if n < 1 or not 0 < first <= most or not 0 <= jitter < 1:
+            raise ConfigError(
+                f"health needs n >= 1, 0 < first <= most, 0 <= jitter < 1, "
+                f"got {n}, {first}, {most}, {jitter}"
+            )
+        self.first, self.most, self.jitter = first, most, jitter
+        self._strikes = [0] * n
+        #: Down instance -> (when to probe it, why it is down).
+        self._down: dict[int, tuple[float, str]] = {}
+
+    def up(self, i: int) -> bool:
+        return i not in self._down
+
+    def why(self, i: int) -> str:
+        """Why ``i`` is down (``""`` when it is up)."""
+        return self._down[i][1] if i in self._down else ""
+
+    @property
+    def down(self) -> tuple[int, ...]:
+        return tuple(sorted(self._down))
+
+    def failed(self, i: int, now: float, u: float, why: str = "") -> float:
+        """A request to ``i`` failed: down (if it was up); returns its probe time.
+        Many requests failing at once on a dead instance count as one failure."""
+        if i in self._down:
+            return self._down[i][0]
+        return self.probe_failed(i, now, u, why)
+
+    def probe_failed(self, i: int, now: float, u: float, why: str = "") -> float:
+        """A probe of ``i`` failed (or its first request did): probe again later."""
+        self._strikes[i] += 1
+        base = min(self.most, self.first * 2.0 ** min(self._strikes[i] - 1, 60))
+        delay = min(self.most, base * (1 + self.jitter * (2 * u - 1)))
+        self._down[i] = (now + delay, why or self.why(i))
+        return now + delay
+
+    def answered(self, i: int) -> None:
+        """A probe of ``i`` answered: up again (its failure count stays)."""
+        self._down.pop(i, None)
+
+    def served(self, i: int) -> None:
+        """``i`` served a request: up, and its next failure starts at ``first``."""
+        self._down.pop(i, None)
+        self._strikes[i] = 0
+
+    def due(self, now: float) -> list[int]:
+        """The down instances whose probe time has come."""
+        return [i for i, (when, _) in sorted(self._down.items()) if when <= now]
+
+    def next_probe(self) -> float | None:
+        """The earliest probe time, ``None`` when every instance is up."""
+        return min((when for when, _ in self._down.values()), default=None)

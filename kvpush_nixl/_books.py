@@ -78,6 +78,19 @@ class Transfers:
                 self._release(posted.xfer)
                 self._settled.append(Completed(handle, reason))
 
+    def cancel(self, handle: int) -> bool:
+        """Release a posted transfer, which NIXL cancels if it still runs:
+        True once it can move nothing more (or had settled), False if NIXL
+        refused (it stays posted)."""
+        posted = self._posted.get(handle)
+        if posted is None:
+            return True
+        if not self._agent.release(posted.xfer):
+            return False
+        del self._posted[handle]
+        self._settled.append(Completed(handle, "cancelled past its bound (NIXL released it)"))
+        return True
+
     def poll(self) -> list[Completed]:
         """Check every posted transfer (this is also what sends an initiator's
         notification over TCP); release the settled ones."""

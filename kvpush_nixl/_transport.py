@@ -284,6 +284,13 @@ class NixlTransport:
                 arrived = {}
             return completed, self._notices.sort(arrived, self._current)
 
+    def cancel(self, handle: int) -> bool:
+        """Cancel a posted transfer (NIXL releases a running one): True once
+        nothing of it can move any more, False if NIXL would not."""
+        with self._lock:
+            self._check_open()
+            return self._transfers.cancel(handle)
+
     # --- PreppedTransport ------------------------------------------------------------
 
     def prefers_prepped(self, merged_rows: int, pieces: int) -> bool:

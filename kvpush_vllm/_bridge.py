@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpush.protocol import KVLayout, KvpushError, StartRead, StartWrite
+from kvpush.protocol import Cancel, KVLayout, KvpushError, StartRead, StartWrite
 from kvpush.runtime import OpResult, PeerRanks, Result, stage_bytes
 
 __all__ = ("Outbound", "Staged", "WorkerBridge")
@@ -44,7 +44,8 @@ class Staged:
 class Outbound:
     """What one ``build_connector_meta`` ships to every worker."""
 
-    actions: list[StartWrite | StartRead] = field(default_factory=list)
+    #: Ops for the workers, and the core's cancels of ops past their bound.
+    actions: list[StartWrite | StartRead | Cancel] = field(default_factory=list)
     peers: list[PeerRanks] = field(default_factory=list)
     staging: Staged = field(default_factory=Staged)
 
@@ -81,7 +82,9 @@ class WorkerBridge:
             self._stopped = True
             left, self._out.actions = self._out.actions, []
         if left and self._on_results is not None:
-            self._on_results([OpResult(a, "the connector stopped") for a in left])
+            self._on_results(
+                [OpResult(a, "the connector stopped") for a in left if not isinstance(a, Cancel)]
+            )
 
     def submit(self, action: StartWrite | StartRead) -> None:
         with self._lock:
@@ -93,6 +96,13 @@ class WorkerBridge:
                 self.posted += 1
         if failed and self._on_results is not None:
             self._on_results([OpResult(action, "the connector stopped")])
+
+    def cancel(self, cancel: Cancel) -> None:
+        """Ship the core's cancel with the next step to the worker that
+        posted the op (its data plane asks its transport)."""
+        with self._lock:
+            if not self._stopped:
+                self._out.actions.append(cancel)
 
     def add_peer(self, peer: PeerRanks) -> None:
         with self._lock:

@@ -22,6 +22,13 @@ none). So a decode acts on a peer only when the parameters carry a valid
 seal (an HMAC under the shared ``secret``) or the peer is in
 ``allowed_peers``; otherwise it refuses the parameters and computes the
 request itself.
+
+A refusal has a class (:data:`REFUSALS`, which names its fix). A decode that
+refuses a leg it trusts for another reason tells the prefill to release the
+KV at once (``SchedulerSide.decline``): the refused :class:`ParamsError`
+carries that leg. A release (:func:`release_params`) is the router's word to
+the prefill that a decode leg failed before the decode's engine saw it;
+sealed under a distinct label, so a decode leg's seal never releases.
 """
 
 from __future__ import annotations
@@ -35,9 +42,42 @@ from typing import Any
 
 from kvpush.protocol import Mode
 
-from ._params import PARAMS_KEY, LegRole, ParamsError, TransferParams, parse_host_port
+from ._params import (
+    PARAMS_KEY,
+    RELEASE_KEY,
+    LegRole,
+    ParamsError,
+    Release,
+    TransferParams,
+    parse_host_port,
+)
 
-__all__ = ("NIXL_PREFILL_LEG", "Contract", "host_port", "peer_of_request_id")
+__all__ = (
+    "NIXL_PREFILL_LEG",
+    "REFUSALS",
+    "Contract",
+    "host_port",
+    "peer_of_request_id",
+    "release_params",
+)
+
+#: Why a leg is refused -> what fixes it (docs/contract.md, "Refused"). The
+#: keys label ``vllm:kvpush_params_refused_total``; the connector logs the
+#: first refusal of each class at ERROR with its fix, the rest at DEBUG.
+REFUSALS: dict[str, str] = {
+    "malformed": "make the router send one of the shapes of docs/contract.md",
+    "ambiguous": "send either kvpush's object or NIXL's do_remote_* flags in a request, not both",
+    "contradictory": "send do_remote_decode on the prefill leg and do_remote_prefill on the "
+    "decode leg, never both on one",
+    "wrong_role": "send prefill legs to kv_producer instances and decode legs to kv_consumer "
+    "ones (check the router's prefill and decode lists)",
+    "nixl_decode": "run KvpushConnector on the prefill as well: kvpush cannot load a "
+    "NixlConnector prefill's KV",
+    "moriio": "set `router_discovery` on both instances to serve vllm-router's MoRI-IO WRITE mode",
+    "untrusted": "set `secret` on the router and both instances, or list the prefill in "
+    "`allowed_peers`",
+    "release_unsealed": "set the same `secret` on the router and the prefill",
+}
 
 #: The prefill leg of vLLM's NixlConnector, as vllm-router's default mode and
 #: llm-d's sidecar send it (llm-d adds a ``transfer_id``).
@@ -75,6 +115,30 @@ def peer_of_request_id(request_id: str) -> str:
     return host_port(host, port)
 
 
+def _hmac(secret: bytes, *fields: str) -> str:
+    return hmac.new(secret, "\0".join(fields).encode(), hashlib.sha256).hexdigest()
+
+
+def _release_seal(secret: bytes, release: Release) -> str:
+    """A release's HMAC: over its own label, so a decode leg's seal never fits."""
+    return _hmac(secret, "kvpush-release-v1", release.transfer_id, release.mode.value)
+
+
+def release_params(transfer_id: str, mode: str, secret: bytes | None) -> dict[str, object]:
+    """The ``kv_transfer_params`` that ``kvpush router`` sends the prefill, in
+    a request of one prompt token and ``max_tokens`` 1, when the decode leg of
+    ``transfer_id`` failed at the decode's API layer (4xx, 5xx, no
+    connection): the prefill releases that transfer's KV at once and serves
+    the request as a plain one. Sealed under ``secret`` (the prefill's, which
+    then requires it); with ``secret`` ``None`` unsealed, which only a prefill
+    without a secret accepts."""
+    release = Release.from_params({"transfer_id": transfer_id, "mode": mode})
+    body: dict[str, str] = {"transfer_id": release.transfer_id, "mode": release.mode.value}
+    if secret is not None:
+        body["seal"] = _release_seal(secret, release)
+    return {RELEASE_KEY: body}
+
+
 def _flag(raw: Mapping[str, Any], key: str) -> bool:
     value = raw.get(key)
     if value is None or value is False:
@@ -105,25 +169,38 @@ class Contract:
 
     # --- parsing ---------------------------------------------------------------
 
-    def parse(self, params: object, request_id: str, serves: LegRole) -> TransferParams | None:
-        """The leg in ``params`` for an instance that serves ``serves`` legs.
+    def parse(
+        self, params: object, request_id: str, serves: LegRole
+    ) -> TransferParams | Release | None:
+        """The leg in ``params`` for an instance that serves ``serves`` legs,
+        or (a prefill) a :class:`Release`.
 
         ``None``: a plain request (no shape kvpush knows). Raises
-        :class:`ParamsError` for a malformed, ambiguous or contradictory leg,
-        a leg of the other role, and (decode) an untrusted peer."""
+        :class:`ParamsError` (its ``reason`` a key of :data:`REFUSALS`) for a
+        malformed, ambiguous or contradictory leg, a leg of the other role,
+        (decode) an untrusted peer, and (prefill) a release not sealed under
+        this instance's secret."""
         if params is None:
             return None
         if not isinstance(params, Mapping):
             raise ParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
         remote_decode, remote_prefill = (_flag(params, k) for k in _NIXL_FLAGS)
         if remote_decode and remote_prefill:
-            raise ParamsError("do_remote_decode and do_remote_prefill are both true")
+            raise ParamsError(
+                "do_remote_decode and do_remote_prefill are both true", "contradictory"
+            )
+        if RELEASE_KEY in params:
+            return self._release(params, serves, remote_decode or remote_prefill)
         if PARAMS_KEY in params:
+            leg = TransferParams.from_params(params)
             if remote_decode or remote_prefill:
                 raise ParamsError(
-                    f"ambiguous: both a {PARAMS_KEY!r} object and NIXL's do_remote_* flags"
+                    f"ambiguous: both a {PARAMS_KEY!r} object and NIXL's do_remote_* flags",
+                    "ambiguous",
+                    None if leg is None else self._declinable(leg, params, serves),
                 )
-            leg = TransferParams.from_params(params)
+            if leg is None:  # "kvpush": null, as if absent
+                return None
         elif remote_decode:
             leg = self._nixl_prefill(params, request_id)
         elif remote_prefill:
@@ -132,10 +209,49 @@ class Contract:
             return None
         assert leg is not None
         if leg.role != serves:
-            raise ParamsError(f"a {leg.role} leg reached an instance that serves {serves} legs")
+            raise ParamsError(
+                f"a {leg.role} leg reached an instance that serves {serves} legs", "wrong_role"
+            )
         if serves == "decode":
-            self._check_trusted(leg, params)
+            why = self._distrust(leg, params)
+            if why is not None:
+                raise ParamsError(
+                    f"the decode leg names prefill {leg.peer!r}, which is not in "
+                    f"allowed_peers, and {why}",
+                    "untrusted",
+                )
         return leg
+
+    def _declinable(
+        self, leg: TransferParams, raw: Mapping[str, Any], serves: LegRole
+    ) -> TransferParams | None:
+        """``leg``, if a decode refusing it (for a reason other than trust)
+        may tell its prefill: a decode leg at a decode, whose peer it trusts."""
+        ok = leg.role == serves == "decode" and self._distrust(leg, raw) is None
+        return leg if ok else None
+
+    def _release(self, raw: Mapping[str, Any], serves: LegRole, flags: bool) -> Release:
+        if PARAMS_KEY in raw or flags:
+            raise ParamsError(
+                f"ambiguous: a {RELEASE_KEY!r} object together with a leg", "ambiguous"
+            )
+        release = Release.from_params(raw[RELEASE_KEY])
+        if serves != "prefill":
+            raise ParamsError(
+                f"a release reached an instance that serves {serves} legs", "wrong_role"
+            )
+        if self.secret is None:
+            return release  # the router's transfer ids are random: nothing to guess
+        seal = raw[RELEASE_KEY].get("seal")
+        if not (
+            isinstance(seal, str) and hmac.compare_digest(seal, _release_seal(self.secret, release))
+        ):
+            raise ParamsError(
+                f"the release of {release.transfer_id!r} is not sealed under this "
+                "instance's secret (its seal is missing or wrong)",
+                "release_unsealed",
+            )
+        return release
 
     def _nixl_prefill(self, raw: Mapping[str, Any], request_id: str) -> TransferParams:
         tid = raw.get("transfer_id")
@@ -151,6 +267,7 @@ class Contract:
         mode = raw.get("transfer_mode")
         if mode is not None and mode != "push":
             raise ParamsError(f"transfer_mode must be 'push', got {mode!r}")
+
         if mode == "push":
             if tid is None:
                 raise ParamsError("an llm-d push decode leg needs its transfer_id")
@@ -163,31 +280,30 @@ class Contract:
             if not self.moriio:
                 raise ParamsError(
                     "MoRI-IO WRITE decode leg (transfer_id, no remote_host): kvpush reads "
-                    "it only with router_discovery configured"
+                    "it only with router_discovery configured",
+                    "moriio",
                 )
             peer = peer_of_request_id(request_id)
             return TransferParams(tid, "decode", Mode.PUSH, peer, shape="moriio")
         raise ParamsError(
             "a NixlConnector decode leg (remote_block_ids from a NixlConnector prefill): "
-            "kvpush cannot load it; the prefill must run KvpushConnector"
+            "kvpush cannot load it; the prefill must run KvpushConnector",
+            "nixl_decode",
         )
 
-    def _check_trusted(self, leg: TransferParams, raw: Mapping[str, Any]) -> None:
+    def _distrust(self, leg: TransferParams, raw: Mapping[str, Any]) -> str | None:
+        """Why a decode cannot trust ``leg``'s peer (``None``: it is sealed,
+        or its peer allowed)."""
         if self.allows(leg.peer):
-            return
+            return None
         if leg.shape == "kvpush" and self.secret is not None:
             seal = raw[PARAMS_KEY].get("seal")
             if isinstance(seal, str) and hmac.compare_digest(seal, self.seal(leg)):
-                return
-            why = "its seal is missing or wrong"
-        elif leg.shape == "kvpush":
-            why = "no secret is configured to verify a seal"
-        else:
-            why = f"a {leg.shape} leg carries no seal"
-        raise ParamsError(
-            f"refused: the decode leg names prefill {leg.peer!r}, which is not in "
-            f"allowed_peers, and {why}"
-        )
+                return None
+            return "its seal is missing or wrong"
+        if leg.shape == "kvpush":
+            return "no secret is configured to verify a seal"
+        return f"a {leg.shape} leg carries no seal"
 
     def allows(self, peer: str) -> bool:
         """``peer`` (``host:port``) is in ``allowed_peers``, by address or host."""
@@ -200,8 +316,7 @@ class Contract:
         """The HMAC of a decode leg's transfer id, mode and peer."""
         if self.secret is None:
             raise ParamsError("sealing needs a secret")
-        text = "\0".join(("kvpush-seal-v1", leg.transfer_id, leg.mode.value, leg.peer))
-        return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
+        return _hmac(self.secret, "kvpush-seal-v1", leg.transfer_id, leg.mode.value, leg.peer)
 
     def answer(
         self, leg: TransferParams, request_id: str, control: str, engine: str, tp: int

@@ -24,6 +24,11 @@ Other top-level keys of ``kv_transfer_params`` (another connector's) are
 ignored by the parser. The other shapes kvpush reads (vLLM's NIXL, llm-d's
 push, MoRI-IO) are parsed in ``_contract.py`` into the same
 :class:`TransferParams`; docs/contract.md lists them all.
+
+One more object is not a leg: a :class:`Release`, under ``"kvpush_release"``,
+which ``kvpush router`` sends the prefill when the decode leg failed before
+the decode's engine saw it, so that the prefill releases that transfer's KV
+at once (``_contract.release_params``).
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ from kvpush.protocol import ConfigError, Mode
 
 __all__ = (
     "PARAMS_KEY",
+    "RELEASE_KEY",
     "ROLES",
     "LegRole",
     "ParamsError",
+    "Release",
     "Shape",
     "TransferParams",
     "new_transfer_id",
@@ -49,6 +56,8 @@ __all__ = (
 
 #: The key of kvpush's entry in ``kv_transfer_params``.
 PARAMS_KEY = "kvpush"
+#: The key of a release (:class:`Release`) in ``kv_transfer_params``.
+RELEASE_KEY = "kvpush_release"
 #: Which leg of a request an instance serves.
 LegRole = Literal["prefill", "decode"]
 #: Every :data:`LegRole`.
@@ -62,7 +71,19 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 
 
 class ParamsError(ConfigError):
-    """``kv_transfer_params`` do not follow the schema; the message says how."""
+    """``kv_transfer_params`` do not follow the schema; the message says how.
+
+    ``reason``: the class of the refusal (a key of ``_contract.REFUSALS``,
+    which names its fix; the label of ``vllm:kvpush_params_refused_total``).
+    ``leg``: a decode leg this instance trusts, read before the refusal (its
+    prefill can be told to release the KV at once), else ``None``."""
+
+    def __init__(
+        self, message: str, reason: str = "malformed", leg: TransferParams | None = None
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.leg = leg
 
 
 def new_transfer_id() -> str:
@@ -82,6 +103,21 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _check_id(tid: object) -> None:
+    if not isinstance(tid, str) or len(tid) > _MAX_LEN or not _ID.fullmatch(tid):
+        raise ParamsError(
+            f"transfer_id must be 1..{_MAX_LEN} characters of [A-Za-z0-9._:-] "
+            f"starting with a letter or digit, got {tid!r}"
+        )
+
+
+def _mode(value: object) -> Mode:
+    try:
+        return Mode(value)
+    except ValueError:
+        raise ParamsError(f"mode must be 'push' or 'pull', got {value!r}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class TransferParams:
     """kvpush's part of one leg's ``kv_transfer_params`` (see the module doc)."""
@@ -98,12 +134,7 @@ class TransferParams:
     shape: Shape = "kvpush"
 
     def __post_init__(self) -> None:
-        tid = self.transfer_id
-        if not isinstance(tid, str) or len(tid) > _MAX_LEN or not _ID.fullmatch(tid):
-            raise ParamsError(
-                f"transfer_id must be 1..{_MAX_LEN} characters of [A-Za-z0-9._:-] "
-                f"starting with a letter or digit, got {tid!r}"
-            )
+        _check_id(self.transfer_id)
         if self.role not in ROLES:
             raise ParamsError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if not isinstance(self.mode, Mode):
@@ -159,8 +190,36 @@ class TransferParams:
         for key in _FIELDS:
             if not isinstance(raw[key], str):
                 raise ParamsError(f"{key} must be a string, got {type(raw[key]).__name__}")
-        try:
-            mode = Mode(raw["mode"])
-        except ValueError:
-            raise ParamsError(f"mode must be 'push' or 'pull', got {raw['mode']!r}") from None
+        mode = _mode(raw["mode"])
         return cls(raw["transfer_id"], cast(LegRole, raw["role"]), mode, raw["peer"])
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A release: the prefill is to release ``transfer_id``'s KV now (its
+    decode leg failed before the decode's engine saw it). Sent by
+    ``kvpush router`` to the prefill as
+    ``{"kvpush_release": {"transfer_id", "mode"[, "seal"]}}``, in a request of
+    its own (a one-token prompt, ``max_tokens`` 1) that the prefill serves as
+    a plain one. Built by ``_contract.release_params``."""
+
+    transfer_id: str
+    mode: Mode
+
+    def __post_init__(self) -> None:
+        _check_id(self.transfer_id)
+        if not isinstance(self.mode, Mode):
+            raise ParamsError(f"mode must be a kvpush.protocol.Mode, got {self.mode!r}")
+
+    @classmethod
+    def from_params(cls, raw: object) -> Release:
+        """Parse the value of ``kv_transfer_params["kvpush_release"]``."""
+        if not isinstance(raw, Mapping):
+            raise ParamsError(f"kv_transfer_params[{RELEASE_KEY!r}] must be an object")
+        keys = {str(k) for k in raw}
+        if not {"transfer_id", "mode"} <= keys <= {"transfer_id", "mode", "seal"}:
+            raise ParamsError(
+                f"kv_transfer_params[{RELEASE_KEY!r}]: expected transfer_id, mode and an "
+                f"optional seal, got {sorted(keys)}"
+            )
+        return cls(raw["transfer_id"], _mode(raw["mode"]))

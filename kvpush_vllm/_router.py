@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import anyio
@@ -37,12 +38,15 @@ __all__ = (
     "TransferParams",
     "add_router_arguments",
     "config_from_args",
+    "read_secret",
     "router_main",
     "run_router",
 )
 
 log = logging.getLogger("kvpush.router")
 T = TypeVar("T")
+#: The environment variable that carries the shared secret when no --secret-file is given.
+SECRET_ENV = "KVPUSH_SECRET"
 
 
 def _spec(parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -124,12 +128,47 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     parser.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="a file holding the connectors' shared secret (>= 16 bytes; one trailing "
+        f"newline dropped); the router seals its decode legs with it, so decodes trust "
+        f"them without allowed_peers (default: ${SECRET_ENV}, else unsealed)",
+    )
+    parser.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between reads of each decode's /metrics for its suspect blocks (0: off)",
+    )
+    parser.add_argument(
         "--timeline-file",
         default=None,
         metavar="PATH",
         help="append one JSON line per request (arrived, legs sent, answered; "
         "time.monotonic) for the per-request breakdown (docs/performance.md)",
     )
+
+
+def read_secret(path: str | None, environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The shared secret: the file at ``path`` (one trailing newline dropped),
+    else ``$KVPUSH_SECRET``, else ``None`` (raises ``ConfigError``)."""
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                secret = f.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the secret file: {exc}") from None
+        secret = secret.removesuffix(b"\n").removesuffix(b"\r")
+    else:
+        text = environ.get(SECRET_ENV)
+        if not text:
+            return None
+        secret = text.encode()
+    if len(secret) < 16:
+        raise ConfigError("the shared secret must be at least 16 bytes")
+    return secret
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -147,6 +186,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_inflight=args.max_inflight,
         max_body=args.max_body_bytes,
         timeline_file=getattr(args, "timeline_file", None),
+        secret=read_secret(getattr(args, "secret_file", None)),
+        metrics_interval=getattr(args, "metrics_interval", 2.0),
     )
 
 

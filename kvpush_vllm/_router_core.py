@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 from kvpush.protocol import ConfigError, Mode
 
-from ._params import LegRole, TransferParams, parse_host_port
+from ._contract import Contract
+from ._params import PARAMS_KEY, LegRole, TransferParams, parse_host_port
 
 __all__ = (
     "DecodeSpec",
@@ -185,12 +186,15 @@ def split_request(
     mode: Mode,
     prefill: PrefillSpec,
     decode: DecodeSpec,
+    secret: bytes | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The prefill and decode bodies for one client body (``kvpush_mode`` already taken).
 
     Prefill: one token, not streamed (``stream_options`` and ``min_tokens``
     dropped, vLLM refuses them then). Decode: the body as sent. Both get
-    ``kv_transfer_params`` replaced by kvpush's (see ``_params``).
+    ``kv_transfer_params`` replaced by kvpush's (see ``_params``); with a
+    ``secret`` the decode leg carries the contract's seal (docs/contract.md,
+    "Trust"), so a decode with the same secret trusts it without ``allowed_peers``.
     """
     p_params = TransferParams(transfer_id, "prefill", mode, decode.name)
     d_params = TransferParams(transfer_id, "decode", mode, prefill.control)
@@ -202,6 +206,8 @@ def split_request(
     pre["kv_transfer_params"] = p_params.to_params()
     dec = dict(body)
     dec["kv_transfer_params"] = d_params.to_params()
+    if secret is not None:
+        dec["kv_transfer_params"][PARAMS_KEY]["seal"] = Contract(secret).seal(d_params)
     return pre, dec
 
 
@@ -227,6 +233,26 @@ class Failure:
     detail: str
     #: The upstream's status, for :attr:`FailureKind.STATUS`.
     status: int | None = None
+    #: The instance (its URL) that failed.
+    instance: str = ""
+    #: The upstream's own error message (its body's), for :attr:`FailureKind.STATUS`.
+    message: str = ""
+
+    @property
+    def down(self) -> bool:
+        """The instance looks down: no connection, a timeout, a broken
+        exchange or a 5xx (a 4xx is the request's fault, not the instance's)."""
+        return self.kind is not FailureKind.STATUS or (self.status or 0) >= 500
+
+    def cause(self) -> dict[str, Any]:
+        """The failure for the error body's ``kvpush`` object (:func:`error_body`)."""
+        return {
+            "leg": self.leg,
+            "instance": self.instance,
+            "cause": self.kind.value,
+            "upstream_status": self.status,
+            "upstream_message": self.message,
+        }
 
 
 def failure_status(failure: Failure) -> int:
@@ -250,19 +276,23 @@ _TYPES = {
 }
 
 
-def _error(status: int, message: str) -> dict[str, Any]:
+def _error(status: int, message: str, cause: Mapping[str, Any] | None) -> dict[str, Any]:
     kind = _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    error: dict[str, Any] = {"message": message, "type": kind, "param": None, "code": status}
+    if cause is not None:
+        error["kvpush"] = dict(cause)
+    return {"error": error}
 
 
-def error_body(status: int, message: str) -> bytes:
-    """An OpenAI-style JSON error body."""
-    return json.dumps(_error(status, message)).encode()
+def error_body(status: int, message: str, cause: Mapping[str, Any] | None = None) -> bytes:
+    """An OpenAI-style JSON error body; ``cause`` (which leg, which instance,
+    how it failed, the upstream's status and message) goes in ``error.kvpush``."""
+    return json.dumps(_error(status, message, cause)).encode()
 
 
-def sse_error_event(status: int, message: str) -> bytes:
+def sse_error_event(status: int, message: str, cause: Mapping[str, Any] | None = None) -> bytes:
     """The same error as one server-sent event, for a stream already under way."""
-    return b"data: " + json.dumps(_error(status, message)).encode() + b"\n\n"
+    return b"data: " + json.dumps(_error(status, message, cause)).encode() + b"\n\n"
 
 
 def upstream_message(body: bytes) -> str:

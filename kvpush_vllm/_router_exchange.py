@@ -5,6 +5,13 @@ The exchange runs in one task group: the prefill leg and a watcher of the
 client connection as child tasks, the decode leg in the group's own task
 (it writes to the client). Cancelling a leg leaves its ``upstream`` block,
 which closes that connection; vLLM aborts a request whose client went away.
+
+A prefill leg that fails as a down instance does (no connection, a broken
+exchange, a 5xx) before the client got a byte is **retried**: the decode
+leg is cancelled (it has sent the client nothing) and the request starts
+again as a new attempt, with a new transfer id, on the pair the router
+picks next (:class:`Upstreams`). A decode leg is never sent again: once it
+is under way it may have generated.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 
@@ -27,7 +35,7 @@ from ._router_core import (
 )
 from ._router_http import ClientGone, ServerConn, UpstreamError, upstream
 
-__all__ = ("Exchange", "LegPlan", "Timeouts")
+__all__ = ("Attempt", "Exchange", "LegPlan", "Timeouts", "Upstreams")
 
 log = logging.getLogger("kvpush.router")
 
@@ -43,6 +51,36 @@ class LegPlan:
     body: bytes
     #: Called once when the leg ends, however it ends (gives its load back).
     release: Callable[[], None]
+    #: The instance's index on its side.
+    index: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try at a request: a transfer id and its two legs."""
+
+    transfer_id: str
+    prefill: LegPlan
+    decode: LegPlan
+    #: The transfer mode (``"push"`` or ``"pull"``) and the client's model, for a release leg.
+    mode: str = "push"
+    model: object = None
+
+
+class Upstreams(Protocol):
+    """What an exchange tells the router, and asks of it."""
+
+    def failed(self, failure: Failure, index: int) -> None:
+        """A leg on instance ``index`` of ``failure.leg``'s side failed."""
+
+    def served(self, leg: LegRole, index: int) -> None:
+        """A leg on instance ``index`` answered whole."""
+
+    def retry(self, attempt: Attempt) -> Attempt | None:
+        """A new attempt for a request whose prefill leg failed (``None``: no other prefill)."""
+
+    def release(self, attempt: Attempt) -> None:
+        """The decode leg failed: tell the prefill to release the KV (fire and forget)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,31 +101,64 @@ class Exchange:
         self,
         conn: ServerConn,
         path: str,
-        transfer_id: str,
-        prefill: LegPlan,
-        decode: LegPlan,
+        attempt: Attempt,
         headers: Iterable[tuple[str, str]],
         timeouts: Timeouts,
+        upstreams: Upstreams,
+        retries: int = 1,
     ) -> None:
-        self._conn, self._path, self._tid = conn, path, transfer_id
-        self._prefill, self._decode = prefill, decode
-        self._headers = (
-            ("content-type", "application/json"),
-            ("x-request-id", transfer_id),
-            *headers,
-        )
+        self._conn, self._path = conn, path
+        self._client_headers = tuple(headers)
         self._timeouts = timeouts
-        self._released: set[LegRole] = set()
-        self._decode_scope = anyio.CancelScope()
-        self._prefill_done = anyio.Event()
+        self._upstreams = upstreams
+        self._retries = retries
         self.failure: Failure | None = None
+        #: Attempts retried (a prefill leg failed before the client got a byte).
+        self.retried = 0
         self._client_gone = False
         self._decoded = False
         self._sse = False
+        self._start(attempt)
+
+    def _start(self, attempt: Attempt) -> None:
+        self.attempt = attempt
+        self._tid, self._prefill, self._decode = (
+            attempt.transfer_id,
+            attempt.prefill,
+            attempt.decode,
+        )
+        self._headers = (
+            ("content-type", "application/json"),
+            ("x-request-id", self._tid),
+            *self._client_headers,
+        )
+        self._released: set[LegRole] = set()
+        self._decode_scope = anyio.CancelScope()
+        self._prefill_done = anyio.Event()
+        self._retry = False
 
     async def run(self) -> bool:
         """Proxy the request; True when the connection can carry another one.
         Raises :class:`ClientGone` when the client left (both legs cancelled)."""
+        while True:
+            await self._run_attempt()
+            if not self._retry or self._client_gone:
+                break
+            failure, self.failure = self.failure, None
+            nxt = self._upstreams.retry(self.attempt)
+            if nxt is None:
+                self.failure = failure
+                break
+            log.info("kvpush router: %s: retried as %s", self._tid, nxt.transfer_id)
+            self.retried += 1
+            self._start(nxt)
+        if self._client_gone:
+            raise ClientGone("client closed the connection")
+        if self.failure is None:
+            return True
+        return await self._report(self.failure)
+
+    async def _run_attempt(self) -> None:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._prefill_leg)
@@ -100,11 +171,6 @@ class Exchange:
         finally:
             self._release("prefill")
             self._release("decode")
-        if self._client_gone:
-            raise ClientGone("client closed the connection")
-        if self.failure is None:
-            return True
-        return await self._report(self.failure)
 
     def _release(self, leg: LegRole) -> None:
         if leg not in self._released:
@@ -115,8 +181,18 @@ class Exchange:
         if self._decoded:  # the client has its whole answer: nothing to undo
             log.info("kvpush router: %s: after the decode finished: %s", self._tid, failure.detail)
         elif self.failure is None:
-            log.warning("kvpush router: %s: %s", self._tid, failure.detail)
+            retry = (
+                failure.leg == "prefill"
+                and failure.down
+                and failure.kind is not FailureKind.TIMEOUT
+                and self.retried < self._retries
+                and self._conn.can_respond  # the client has not had a byte
+            )
+            log.warning(
+                "kvpush router: %s: %s%s", self._tid, failure.detail, "; retrying" if retry else ""
+            )
             self.failure = failure
+            self._retry = retry
             self._decode_scope.cancel()
 
     async def _watch_client(self, scope: anyio.CancelScope) -> None:
@@ -144,18 +220,28 @@ class Exchange:
         return self._timeouts.prefill if leg == "prefill" else self._timeouts.total
 
     async def _leg(self, leg: LegRole, plan: LegPlan) -> Failure | None:
+        failure = await self._try_leg(leg, plan)
+        if failure is None:
+            self._upstreams.served(leg, plan.index)
+        else:
+            self._upstreams.failed(failure, plan.index)
+        return failure
+
+    async def _try_leg(self, leg: LegRole, plan: LegPlan) -> Failure | None:
+        where = str(plan.url)
         try:
             status, body = await self._call(leg, plan)
         except TimeoutError:
-            detail = f"{leg} {plan.url}: no answer within {self._limit(leg):g} s"
+            detail = f"{leg} {where}: no answer within {self._limit(leg):g} s"
             if leg == "decode" and not self._prefill_done.is_set():
                 detail += f"; prefill {self._prefill.url} had not answered either"
-            return Failure(leg, FailureKind.TIMEOUT, detail)
+            return Failure(leg, FailureKind.TIMEOUT, detail, instance=where)
         except UpstreamError as exc:
-            return Failure(leg, exc.kind, f"{leg} {plan.url}: {exc.detail}")
+            return Failure(leg, exc.kind, f"{leg} {where}: {exc.detail}", instance=where)
         if not 200 <= status < 300:
-            detail = f"{leg} {plan.url} answered {status}: {upstream_message(body)}"
-            return Failure(leg, FailureKind.STATUS, detail, status)
+            message = upstream_message(body)
+            detail = f"{leg} {where} answered {status}: {message}"
+            return Failure(leg, FailureKind.STATUS, detail, status, where, message)
         return None
 
     async def _prefill_leg(self) -> None:
@@ -177,6 +263,11 @@ class Exchange:
         finally:
             self._release("decode")
         if failure is not None:
+            prefill_failed = self.failure is not None and self.failure.leg == "prefill"
+            if failure.kind is not FailureKind.TIMEOUT and not prefill_failed:
+                # The decode will not take this KV: the prefill releases it now
+                # rather than after its kv_hold_timeout.
+                self._upstreams.release(self.attempt)
             self._fail(failure)
 
     async def _relay(
@@ -205,10 +296,12 @@ class Exchange:
         if self._decoded:  # the prefill failed while the last bytes went out
             return True
         status = failure_status(failure)
+        cause = {**failure.cause(), "transfer_id": self._tid}
         if self._conn.can_respond:
-            await self._conn.respond(status, error_body(status, failure.detail))
+            body = error_body(status, failure.detail, cause)
+            await self._conn.respond(status, body, [("x-request-id", self._tid)])
             return True
         if self._sse:
-            await self._conn.send_data(sse_error_event(status, failure.detail))
+            await self._conn.send_data(sse_error_event(status, failure.detail, cause))
             await self._conn.end()
         return False

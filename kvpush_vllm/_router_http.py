@@ -219,7 +219,8 @@ class UpstreamResponse:
             try:
                 event = await _next_event(self._conn, self._stream)
             except (h11.ProtocolError, *_STREAM_ERRORS) as exc:
-                raise UpstreamError(FailureKind.BROKEN, f"response broke off: {exc}") from None
+                why = str(exc) or type(exc).__name__
+                raise UpstreamError(FailureKind.BROKEN, f"response broke off: {why}") from None
             if isinstance(event, h11.Data):
                 yield bytes(event.data)
             elif isinstance(event, h11.EndOfMessage):
@@ -254,9 +255,9 @@ async def upstream(
         with anyio.fail_after(connect_timeout):
             stream: ByteStream = await anyio.connect_tcp(url.host, url.port)
     except TimeoutError:
-        raise UpstreamError(FailureKind.TIMEOUT, f"connect to {url} timed out") from None
+        raise UpstreamError(FailureKind.TIMEOUT, "connect timed out") from None
     except OSError as exc:
-        raise UpstreamError(FailureKind.CONNECT, f"cannot connect to {url}: {exc}") from None
+        raise UpstreamError(FailureKind.CONNECT, f"cannot connect: {exc}") from None
     try:
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD)
         head = [
@@ -275,9 +276,10 @@ async def upstream(
             while isinstance(response, h11.InformationalResponse):
                 response = await _next_event(conn, stream)
         except (h11.ProtocolError, *_STREAM_ERRORS) as exc:
-            raise UpstreamError(FailureKind.BROKEN, f"{url}: {exc}") from None
+            why = str(exc) or type(exc).__name__
+            raise UpstreamError(FailureKind.BROKEN, f"connection lost: {why}") from None
         if not isinstance(response, h11.Response):
-            raise UpstreamError(FailureKind.BROKEN, f"{url}: closed without a response")
+            raise UpstreamError(FailureKind.BROKEN, "closed without a response")
         yield UpstreamResponse(conn, stream, response)
     finally:
         await anyio.aclose_forcefully(stream)

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,22 +21,25 @@ import h11
 from anyio.abc import ByteStream, Listener, SocketAttribute, SocketStream, TaskStatus
 
 from kvpush.protocol import ConfigError, Mode
-from kvpush.routing import InstanceLoad, Ledger
+from kvpush.routing import Health, InstanceLoad, Ledger, Side
 
+from . import _contract
 from ._breakdown import Breakdown
 from ._params import new_transfer_id
 from ._router_core import (
     DecodeSpec,
+    Failure,
     FailureKind,
     PrefillSpec,
     RequestError,
+    UpstreamUrl,
     error_body,
     estimate_blocks,
     estimate_prompt_tokens,
     split_request,
     take_mode,
 )
-from ._router_exchange import MAX_UPSTREAM_BODY, Exchange, LegPlan, Timeouts
+from ._router_exchange import MAX_UPSTREAM_BODY, Attempt, Exchange, LegPlan, Timeouts
 from ._router_http import BodyTooLarge, ClientGone, Incoming, ServerConn, UpstreamError, upstream
 
 __all__ = ("Router", "RouterConfig", "RouterStats")
@@ -46,6 +52,15 @@ PROXIED = ("/v1/completions", "/v1/chat/completions")
 FORWARDED_HEADERS = (b"authorization",)
 #: How long a connection closed after an error keeps draining unread input.
 _LINGER = 1.0
+#: The header that marks a release leg (``x-kvpush-leg: release``).
+LEG_HEADER = "x-kvpush-leg"
+#: A decode's suspect-blocks gauge: vLLM's ``vllm:kvpush_blocks`` (the connector)
+#: or the runtime's ``kvpush:blocks``, ``kind="suspect"``.
+_SUSPECT = re.compile(
+    r'^(?:vllm:kvpush_blocks|kvpush:blocks)\{[^}]*kind="suspect"[^}]*\}\s+(\S+)', re.MULTILINE
+)
+#: How often the router looks for due probes.
+_TICK = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +94,26 @@ class RouterConfig:
     #: legs left, when it ended: the router's part of the per-request breakdown,
     #: docs/performance.md). None: off.
     timeline_file: str | None = None
+    #: The connectors' shared secret: the router seals the decode legs with it
+    #: (docs/contract.md, "Trust"). None: legs unsealed (``allowed_peers`` then).
+    secret: bytes | None = None
+    #: A down instance's first probe after this many seconds, doubling up to ``probe_max``.
+    probe_first: float = 0.5
+    probe_max: float = 10.0
+    #: Seconds between reads of each decode's suspect blocks (its ``/metrics``); 0: off.
+    metrics_interval: float = 2.0
+    #: Seconds a release leg (the decode failed: the prefill frees the KV) may take.
+    release_timeout: float = 2.0
+    #: Times a request whose prefill leg failed is tried again on another prefill.
+    retries: int = 1
 
     def __post_init__(self) -> None:
+        if self.secret is not None and len(self.secret) < 16:
+            raise ConfigError("the router's secret must be at least 16 bytes")
+        if self.retries < 0 or self.metrics_interval < 0:
+            raise ConfigError("retries and metrics_interval must be >= 0")
+        if self.probe_max < self.probe_first:
+            raise ConfigError("probe_max must be >= probe_first")
         if not self.prefills or not self.decodes:
             raise ConfigError("the router needs at least one prefill and one decode")
         if not 0 <= self.port < 65536:
@@ -88,7 +121,15 @@ class RouterConfig:
         for name in ("block_size", "max_inflight", "max_body"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("timeout", "connect_timeout", "client_timeout", "prefill_grace"):
+        for name in (
+            "timeout",
+            "connect_timeout",
+            "client_timeout",
+            "prefill_grace",
+            "probe_first",
+            "probe_max",
+            "release_timeout",
+        ):
             _check_seconds(name, getattr(self, name))
         if self.prefill_timeout is not None:
             _check_seconds("prefill_timeout", self.prefill_timeout)
@@ -110,6 +151,12 @@ class RouterStats:
     rejected: int
     prefills: tuple[InstanceLoad, ...]
     decodes: tuple[InstanceLoad, ...]
+    #: Requests tried again on another prefill after their prefill leg failed.
+    retries: int = 0
+    #: Release legs the prefill answered, and those that failed or found no
+    #: ``release_params`` to build.
+    releases: int = 0
+    release_failures: int = 0
 
 
 class Router:
@@ -128,6 +175,14 @@ class Router:
             grace=config.prefill_grace,
         )
         self._breakdown = Breakdown(None, "router")
+        self._probes: dict[Side, Health] = {
+            "prefill": Health(len(config.prefills), config.probe_first, config.probe_max),
+            "decode": Health(len(config.decodes), config.probe_first, config.probe_max),
+        }
+        self._rng = random.Random()
+        self._busy: set[tuple[str, Side, int]] = set()  # probes and scrapes under way
+        self._retries = self._releases = self._release_failures = 0
+        self._tg: anyio.abc.TaskGroup | None = None
 
     def statistics(self) -> RouterStats:
         return RouterStats(
@@ -137,7 +192,146 @@ class Router:
             self._rejected,
             self._ledger.prefills,
             self._ledger.decodes,
+            self._retries,
+            self._releases,
+            self._release_failures,
         )
+
+    # --- health -----------------------------------------------------------------------
+
+    def _url(self, side: Side, index: int) -> UpstreamUrl:
+        specs = self.config.prefills if side == "prefill" else self.config.decodes
+        return specs[index].url
+
+    def _failed(self, side: Side, index: int, why: str) -> None:
+        health = self._probes[side]
+        if not health.up(index):
+            return
+        when = health.failed(index, anyio.current_time(), self._rng.random(), why)
+        self._ledger.mark(side, index, up=False)
+        log.warning(
+            "kvpush router: %s %s is down (%s); probing it in %.1f s",
+            side,
+            self._url(side, index),
+            why,
+            when - anyio.current_time(),
+        )
+
+    def _served(self, side: Side, index: int) -> None:
+        if not self._probes[side].up(index):
+            log.info("kvpush router: %s %s answers again", side, self._url(side, index))
+        self._probes[side].served(index)
+        self._ledger.mark(side, index, up=True)
+
+    async def _watch(self) -> None:
+        """Probe the down instances when due; read the decodes' suspect blocks."""
+        next_read = 0.0
+        assert self._tg is not None
+        while True:
+            now = anyio.current_time()
+            for side, health in self._probes.items():
+                for i in health.due(now):
+                    self._spawn("probe", side, i, self._probe)
+            if self.config.metrics_interval and now >= next_read:
+                next_read = now + self.config.metrics_interval
+                for i in range(len(self.config.decodes)):
+                    if self._probes["decode"].up(i):
+                        self._spawn("metrics", "decode", i, self._read_suspect)
+            await anyio.sleep(_TICK)
+
+    def _spawn(self, what: str, side: Side, i: int, fn: Callable[[Side, int], Any]) -> None:
+        key = (what, side, i)
+        if key in self._busy or self._tg is None:
+            return
+        self._busy.add(key)
+
+        async def run() -> None:
+            try:
+                await fn(side, i)
+            finally:
+                self._busy.discard(key)
+
+        self._tg.start_soon(run)
+
+    async def _get(self, url: UpstreamUrl, path: str) -> tuple[int, bytes]:
+        with anyio.fail_after(self.config.connect_timeout * 2):
+            async with upstream(
+                url, "GET", path, connect_timeout=self.config.connect_timeout
+            ) as resp:
+                return resp.status, await resp.read(MAX_UPSTREAM_BODY)
+
+    async def _probe(self, side: Side, i: int) -> None:
+        """``GET /health`` on a down instance: a 2xx brings it back."""
+        url = self._url(side, i)
+        try:
+            status, _ = await self._get(url, "/health")
+            why = "" if 200 <= status < 300 else f"/health answered {status}"
+        except TimeoutError:
+            why = "/health: no answer"
+        except UpstreamError as exc:
+            why = f"/health: {exc.detail}"
+        why = why and f"{side} {url}: {why}"
+        health = self._probes[side]
+        if not why:
+            health.answered(i)
+            self._ledger.mark(side, i, up=True)
+            log.info("kvpush router: %s %s answers its probe: back in service", side, url)
+        else:
+            health.probe_failed(i, anyio.current_time(), self._rng.random(), why)
+
+    async def _read_suspect(self, side: Side, i: int) -> None:
+        """A decode's suspect blocks from its ``/metrics`` (absent: 0)."""
+        try:
+            status, body = await self._get(self._url(side, i), "/metrics")
+        except (TimeoutError, UpstreamError):
+            return  # its legs, not its metrics, say whether it is down
+        if 200 <= status < 300:
+            found = _SUSPECT.findall(body.decode(errors="replace"))
+            blocks = int(sum(float(x) for x in found if _number(x)))
+            self._ledger.mark("decode", i, suspect_blocks=blocks)
+
+    def _release_soon(self, attempt: Attempt) -> None:
+        if self._tg is not None:
+            self._tg.start_soon(self._release, attempt)
+
+    async def _release(self, attempt: Attempt) -> None:
+        """Tell the prefill that the decode will not take ``attempt``'s KV: a
+        one-token completion whose ``kv_transfer_params`` are the contract's
+        ``release_params`` (fire and forget, bounded by ``release_timeout``)."""
+        params = _contract.release_params(attempt.transfer_id, attempt.mode, self.config.secret)
+        body: dict[str, Any] = {
+            "prompt": [0],
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": params,
+        }
+        if attempt.model is not None:
+            body["model"] = attempt.model
+        headers = [
+            ("content-type", "application/json"),
+            ("x-request-id", f"{attempt.transfer_id}-release"),
+            (LEG_HEADER, "release"),
+        ]
+        limit = self.config.release_timeout
+        ok = False
+        try:
+            with anyio.fail_after(limit):
+                async with upstream(
+                    attempt.prefill.url,
+                    "POST",
+                    "/v1/completions",
+                    headers=headers,
+                    body=_json(body),
+                    connect_timeout=limit,
+                ) as resp:
+                    await resp.read(MAX_UPSTREAM_BODY)
+                    ok = 200 <= resp.status < 300
+        except (TimeoutError, UpstreamError) as exc:
+            log.debug("kvpush router: %s: release leg failed: %s", attempt.transfer_id, exc)
+        if ok:
+            self._releases += 1
+        else:
+            self._release_failures += 1
 
     async def listen(self) -> Listener[SocketStream]:
         """Bind the configured address (raises ``OSError`` if it cannot)."""
@@ -157,10 +351,13 @@ class Router:
             listener = await self.listen()
         self._breakdown = Breakdown(self.config.timeline_file, "router")
         try:
-            async with listener:
+            async with listener, anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._watch)
                 task_status.started(listener.extra(SocketAttribute.local_port))
                 await listener.serve(self._connection)
         finally:
+            self._tg = None
             self._breakdown.close()
 
     async def _connection(self, stream: ByteStream) -> None:
@@ -216,14 +413,17 @@ class Router:
     def _health(self) -> dict[str, Any]:
         stats = self.statistics()
 
-        def loads(specs: tuple[Any, ...], values: tuple[InstanceLoad, ...]) -> list[dict[str, Any]]:
+        def loads(side: Side, values: tuple[InstanceLoad, ...]) -> list[dict[str, Any]]:
             return [
                 {
-                    "url": str(s.url),
+                    "url": str(self._url(side, i)),
+                    "up": v.up,
+                    "down_because": self._probes[side].why(i) or None,
                     "outstanding": v.outstanding,
                     "reserved_blocks": v.reserved_blocks,
+                    "suspect_blocks": v.suspect_blocks,
                 }
-                for s, v in zip(specs, values, strict=True)
+                for i, v in enumerate(values)
             ]
 
         return {
@@ -232,8 +432,11 @@ class Router:
             "requests": stats.requests,
             "failures": stats.failures,
             "rejected": stats.rejected,
-            "prefills": loads(self.config.prefills, stats.prefills),
-            "decodes": loads(self.config.decodes, stats.decodes),
+            "retries": stats.retries,
+            "releases": stats.releases,
+            "release_failures": stats.release_failures,
+            "prefills": loads("prefill", stats.prefills),
+            "decodes": loads("decode", stats.decodes),
         }
 
     async def _models(self, conn: ServerConn, request: Incoming) -> bool:
@@ -271,22 +474,21 @@ class Router:
         except ValueError as exc:
             return await _error(conn, 400, f"the request body is not JSON: {exc}")
         blocks = estimate_blocks(estimate_prompt_tokens(body), self.config.block_size)
-        tid = new_transfer_id()
+        legs = _Legs(self, body, mode, blocks, tuple(_forwarded(request)))
+        first = legs.attempt()
+        if isinstance(first, str):
+            self._rejected += 1
+            return await self._all_down(conn, first)
+        tid = first.transfer_id
         self._breakdown.stamp(tid, "received")
-        choice = self._ledger.acquire(blocks)
-        assert choice is not None  # no capacity: there is always a pick
-        p, d = choice.prefill, choice.decode
-        prefill, decode = self.config.prefills[p], self.config.decodes[d]
-        pre, dec = split_request(body, transfer_id=tid, mode=mode, prefill=prefill, decode=decode)
-        log.debug("kvpush router: %s %s -> %s + %s", tid, mode.value, prefill.url, decode.url)
         exchange = Exchange(
             conn,
             request.path,
-            tid,
-            LegPlan(prefill.url, _json(pre), lambda: self._ledger.release_prefill(p, blocks)),
-            LegPlan(decode.url, _json(dec), lambda: self._ledger.release_decode(d, blocks)),
-            _forwarded(request),
+            first,
+            legs.headers,
             self._timeouts,
+            legs,
+            self.config.retries,
         )
         self._inflight += 1
         self._requests += 1
@@ -295,6 +497,7 @@ class Router:
             return await exchange.run()
         finally:
             self._inflight -= 1
+            self._retries += exchange.retried
             if exchange.failure is not None:
                 self._failures += 1
             self._breakdown.stamp(tid, "answered")
@@ -302,6 +505,85 @@ class Router:
             self._breakdown.write(
                 tid, transfer_id=tid, mode=mode.value, outcome=failure.detail if failure else "ok"
             )
+
+    async def _all_down(self, conn: ServerConn, side: Side) -> bool:
+        """503 at once: every instance of ``side`` is down (each one's cause named)."""
+        health = self._probes[side]
+        causes = [health.why(i) for i in health.down]
+        message = f"every {side} instance is down ({'; '.join(causes)}); try again later"
+        nxt = health.next_probe()
+        wait = 1 if nxt is None else max(1, math.ceil(nxt - anyio.current_time()))
+        cause = {"leg": side, "cause": "down", "instances": causes}
+        body = error_body(503, message, cause)
+        await conn.respond(503, body, [("retry-after", str(wait))])
+        return True
+
+
+class _Legs:
+    """One client request's attempts: builds each attempt's two legs on the
+    pair the ledger picks, and carries the exchange's news to the router."""
+
+    def __init__(
+        self,
+        router: Router,
+        body: dict[str, Any],
+        mode: Mode,
+        blocks: int,
+        headers: tuple[tuple[str, str], ...],
+    ) -> None:
+        self._router, self._body, self._mode, self._blocks = router, body, mode, blocks
+        self.headers = headers
+
+    def attempt(self) -> Attempt | Side:
+        """A new attempt, or the side that has no instance up."""
+        router, blocks, ledger = self._router, self._blocks, self._router._ledger
+        if not any(x.up for x in ledger.prefills):
+            return "prefill"
+        if not any(x.up for x in ledger.decodes):
+            return "decode"
+        choice = ledger.acquire(blocks)
+        assert choice is not None  # no capacity, and an instance of each side up
+        p, d = choice.prefill, choice.decode
+        config = router.config
+        prefill, decode = config.prefills[p], config.decodes[d]
+        tid = new_transfer_id()
+        pre, dec = split_request(
+            self._body,
+            transfer_id=tid,
+            mode=self._mode,
+            prefill=prefill,
+            decode=decode,
+            secret=config.secret,
+        )
+        log.debug("kvpush router: %s %s -> %s + %s", tid, self._mode.value, prefill.url, decode.url)
+        return Attempt(
+            tid,
+            LegPlan(prefill.url, _json(pre), lambda: ledger.release_prefill(p, blocks), p),
+            LegPlan(decode.url, _json(dec), lambda: ledger.release_decode(d, blocks), d),
+            self._mode.value,
+            self._body.get("model"),
+        )
+
+    def failed(self, failure: Failure, index: int) -> None:
+        if failure.down:
+            self._router._failed(failure.leg, index, failure.detail)
+
+    def served(self, leg: Side, index: int) -> None:
+        self._router._served(leg, index)
+
+    def retry(self, attempt: Attempt) -> Attempt | None:
+        nxt = self.attempt()
+        return nxt if isinstance(nxt, Attempt) else None
+
+    def release(self, attempt: Attempt) -> None:
+        self._router._release_soon(attempt)
+
+
+def _number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _json(body: dict[str, Any]) -> bytes:

@@ -35,6 +35,7 @@ leg to a new prefill is the one hop onto it (the channel's route).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import secrets
@@ -148,7 +149,10 @@ class SchedulerSide:
         #: since the last report, the block gauges when they last changed.
         self._phases: list[tuple[str, float]] = []
         self._gauges: dict[str, int] = {}
-        self.refused_params = 0
+        #: Counts since the last :meth:`stats` (``r:<reason>``: legs refused).
+        self._counts: collections.Counter[str] = collections.Counter()
+        #: Refusal classes already logged at ERROR (:meth:`refused`).
+        self._refusals_logged: set[str] = set()
         self._registrar: Registrar | None = None
         #: Prefill -> the address its channel route was given (``_route``).
         self._routes: dict[str, tuple[str, int]] = {}
@@ -235,15 +239,15 @@ class SchedulerSide:
 
     def stats(self) -> dict[str, Any]:
         """Since the last call: phase durations (``h:<phase>``), the core's
-        block gauges (``g:<kind>``, when they changed), parameters refused
-        (``refused_params``). See ``_stats.py``."""
+        block gauges (``g:<kind>``, when they changed), parameters refused by
+        class (``r:<reason>``), declines and releases. See ``_stats.py``."""
         out: dict[str, Any] = {}
         with self._lock:
             phases, self._phases = self._phases, []
+            counts, self._counts = self._counts, collections.Counter()
         for phase, seconds in phases:
             out.setdefault(f"h:{phase}", []).append(seconds)
-        if self.refused_params:
-            out["refused_params"], self.refused_params = self.refused_params, 0
+        out.update(counts)
         if self._sync is not None:
             # Every step: an engine going idle steps no more, so the step that
             # released the last blocks must report them.
@@ -297,6 +301,35 @@ class SchedulerSide:
             )
         return max(0, prompt - computed)
 
+    def refused(self, reason: str) -> bool:
+        """Count a leg refused for ``reason``; True the first time this
+        instance refuses one for it (the connector logs that one at ERROR)."""
+        with self._lock:
+            self._counts[f"r:{reason}"] += 1
+            first = reason not in self._refusals_logged
+            self._refusals_logged.add(reason)
+        return first
+
+    def decline(self, params: TransferParams) -> bool:
+        """This decode will not load ``params``' transfer (it refused the leg,
+        or its reservation was refused): tell its prefill to release the KV
+        now, not at the end of its ``kv_hold_timeout`` (``Consumer.decline``).
+        The caller trusts ``params.peer`` (sealed leg or allowed peer): this
+        never dials it, and sends nothing without a handshake with it.
+        Counted: ``declined``, or ``decline_unsent``."""
+        sent = False
+        if self._sync is not None and params.peer in self._routes:
+            sent = self._sync.runtime.decline(params.transfer_id, params.peer)
+        with self._lock:
+            self._counts["declined" if sent else "decline_unsent"] += 1
+        log.debug(
+            "kvpush: %s: prefill %s %s",
+            params.transfer_id,
+            params.peer,
+            "told to release its KV" if sent else "not told (no handshake with it yet)",
+        )
+        return sent
+
     def _keep(self, req_id: str, params: TransferParams) -> None:
         """The request waits for blocks while its prefill may hold the KV for
         ``kv_hold_timeout`` only: ask it to keep the KV, every third of that
@@ -311,7 +344,9 @@ class SchedulerSide:
     def reserve(
         self, req_id: str, params: TransferParams, blocks: list[int], skip_tokens: int
     ) -> None:
-        """Reserve ``blocks`` and register them with the prefill (``params.peer``)."""
+        """Reserve ``blocks`` and register them with the prefill (``params.peer``).
+        A reservation the core refuses fails the load now (vLLM recomputes it)
+        and tells the prefill to release its KV (:meth:`decline`)."""
         self._waiting.pop(req_id, None)
         rt = self._route(params).runtime
         # Under the lock from the call to the bookkeeping: a step() on another
@@ -336,6 +371,9 @@ class SchedulerSide:
                 tr = _Transfer(req_id, list(blocks), "loading", staged=bool(result.stage))
                 self._by_key[key] = tr
                 self._key_of[req_id] = key
+        if isinstance(result, Refused):
+            # A leg we trust (it passed the contract) that we will not load.
+            self.decline(params)
 
     def preempted(self, req_id: str) -> None:
         """vLLM preempted ``req_id``: withdraw a load in flight (the core drains
@@ -392,6 +430,17 @@ class SchedulerSide:
         now, if it registered already, rather than at its deadline."""
         self.breakdown.write(req_id, outcome="aborted")
         self._runtime().abort(params.transfer_id)
+
+    def release(self, transfer_id: str) -> None:
+        """A release (the router's: the decode leg of ``transfer_id`` failed
+        before the decode's engine saw it): release its KV now, held or yet to
+        come (the core's abort leaves a tombstone that gives back KV readied
+        later, and refuses a registration)."""
+        with self._lock:
+            self._counts["release_legs"] += 1
+        log.debug("kvpush: release of %s from the router", transfer_id)
+        if self._sync is not None:  # not started: this instance holds nothing
+            self._sync.runtime.abort(transfer_id)
 
     def expecting(self) -> bool:
         """Whether a transfer is open (a load, a held source, blocks waiting

@@ -10,7 +10,9 @@ latest value, phase durations gather), logs the interval
 vLLM's own metrics (``vllm:kvpush_...``).
 
 Keys: a counter by its name (:data:`COUNTERS`), a gauge as ``g:<kind>``
-(:data:`GAUGES`), a phase's durations as ``h:<phase>`` (:data:`PHASES`).
+(:data:`GAUGES`), a phase's durations as ``h:<phase>`` (:data:`PHASES`), the
+legs refused for a reason as ``r:<reason>`` (``_contract.REFUSALS``; one
+counter, ``vllm:kvpush_params_refused_total{reason=...}``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-__all__ = ("COUNTERS", "GAUGES", "PHASES", "KvpushPromMetrics", "KvpushStats")
+from ._contract import REFUSALS
+
+__all__ = ("COUNTERS", "GAUGES", "PHASES", "REFUSED", "KvpushPromMetrics", "KvpushStats")
 
 #: stats key -> (Prometheus name, help).
 COUNTERS: dict[str, tuple[str, str]] = {
@@ -32,11 +36,26 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "notices": ("vllm:kvpush_notices_total", "Completion notices received"),
     "staged": ("vllm:kvpush_staged_writes_total", "WRITEs gathered and sent staged"),
     "scattered": ("vllm:kvpush_scatters_total", "Staged notices scattered into blocks"),
-    "refused_params": (
-        "vllm:kvpush_params_refused_total",
-        "Requests whose kv_transfer_params broke the contract (docs/contract.md)",
+    "declined": (
+        "vllm:kvpush_declined_total",
+        "decode: transfers it will not load (leg or reservation refused) whose prefill "
+        "was told to release the KV at once",
+    ),
+    "decline_unsent": (
+        "vllm:kvpush_decline_unsent_total",
+        "decode: such transfers whose prefill could not be told (no handshake with it "
+        "yet): it releases the KV at its kv_hold_timeout",
+    ),
+    "release_legs": (
+        "vllm:kvpush_release_legs_total",
+        "prefill: releases from the router (a decode leg failed before its engine saw it)",
     ),
 }
+#: The Prometheus name of the legs refused, by ``reason`` (``r:<reason>``).
+REFUSED = (
+    "vllm:kvpush_params_refused_total",
+    "Requests whose kv_transfer_params broke the contract (docs/contract.md), by reason",
+)
 #: gauge kind -> help; one gauge, ``vllm:kvpush_blocks{kind=...}``.
 GAUGES: dict[str, str] = {
     "reserved": "decode: blocks reserved for loads, draining ones included",
@@ -71,8 +90,12 @@ class KvpushStats(KVConnectorStats):  # type: ignore[misc]
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {key: self.data.get(key, 0) for key in COUNTERS}
+        out["refused_params"] = 0
         for key, value in self.data.items():
-            if key.startswith("g:"):
+            if key.startswith("r:"):
+                out["refused_params"] += value
+                out[f"refused_{key[2:]}"] = value
+            elif key.startswith("g:"):
                 out[f"{key[2:]}_blocks"] = value
             elif key.startswith("h:") and value:
                 out[f"{key[2:]}_p50_ms"] = round(1000 * sorted(value)[len(value) // 2], 3)
@@ -120,6 +143,14 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             phase: {idx: histogram.labels(*values, phase) for idx, values in engines}
             for phase in PHASES
         }
+        name, doc = REFUSED
+        refused = self._counter_cls(
+            name=name, documentation=doc, labelnames=[*labelnames, "reason"]
+        )
+        self._refused = {
+            reason: {idx: refused.labels(*values, reason) for idx, values in engines}
+            for reason in REFUSALS
+        }
         for by_engine in self._gauges.values():  # shown from the start, at 0
             for child in by_engine.values():
                 child.set(0)
@@ -136,3 +167,7 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         for phase, children in self._phases.items():
             for seconds in data.get(f"h:{phase}", ()):
                 children[engine_idx].observe(seconds)
+        for reason, children in self._refused.items():
+            value = data.get(f"r:{reason}", 0)
+            if value:
+                children[engine_idx].inc(value)

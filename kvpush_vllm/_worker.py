@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from kvpush.protocol import Codec, KVLayout, MemoryType, Role, StartRead, StartWrite
+from kvpush.protocol import Cancel, Codec, KVLayout, MemoryType, Role, StartRead, StartWrite
 from kvpush.runtime import (
     Copier,
     CostModel,
@@ -101,7 +101,7 @@ class WorkerSide:
 
     def step(
         self,
-        actions: Sequence[StartWrite | StartRead],
+        actions: Sequence[StartWrite | StartRead | Cancel],
         peers: Sequence[PeerRanks],
         expecting: bool,
         doorbell: tuple[str, int] | None = None,
@@ -127,7 +127,10 @@ class WorkerSide:
             for tid, epoch, blocks, slot in staging.records:
                 dp.stage(tid, epoch, blocks, slot)
         for action in actions:
-            if self._serves(action):
+            if isinstance(action, Cancel):
+                if self._serves_pair(action.source.pp, action.source.tp, action.consumer_rank):
+                    dp.cancel(action)
+            elif self._serves(action):
                 dp.submit(action, self._fence if isinstance(action, StartWrite) else None)
 
     def computed(self, progress: Sequence[tuple[str, int]]) -> None:
@@ -171,9 +174,12 @@ class WorkerSide:
 
     def _serves(self, action: StartWrite | StartRead) -> bool:
         route = action.route
+        return self._serves_pair(route.source.pp, route.source.tp, route.consumer_rank)
+
+    def _serves_pair(self, pp: int, tp: int, consumer_rank: int) -> bool:
         if self.role is Role.PRODUCER:
-            return route.source.pp * self.tp + route.source.tp == self.rank
-        return route.consumer_rank == self.rank
+            return pp * self.tp + tp == self.rank
+        return consumer_rank == self.rank
 
     def stats(self) -> dict[str, int]:
         """Counts since the last call (posted, failed, bytes, notices)."""
@@ -199,8 +205,9 @@ class WorkerSide:
             self._notices += sum(isinstance(r, NoticeIn) for r in results)
         self._bell.ring()
 
-    def _fail(self, actions: Sequence[StartWrite | StartRead], why: str) -> None:
-        self._collect([OpResult(a, why) for a in actions if self._serves(a)])
+    def _fail(self, actions: Sequence[StartWrite | StartRead | Cancel], why: str) -> None:
+        ops = [a for a in actions if not isinstance(a, Cancel)]
+        self._collect([OpResult(a, why) for a in ops if self._serves(a)])
 
 
 def _stream_event() -> Fence:

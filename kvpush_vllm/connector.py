@@ -49,9 +49,9 @@ from kvpush.runtime import CostModel, PeerRanks, Result, decode_rank
 
 from ._bridge import Staged
 from ._config import ConnectorConfig
-from ._contract import Contract
+from ._contract import REFUSALS, Contract
 from ._copier import TorchCopier
-from ._params import LegRole, ParamsError, TransferParams
+from ._params import LegRole, ParamsError, Release, TransferParams
 from ._progressive import Progress
 from ._proven import Facts, check_proven, handshake_fingerprint, kv_layout_kind
 from ._scheduler import SchedulerSide
@@ -187,22 +187,50 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==================== scheduler side ====================
 
     def _params(self, request: Any) -> TransferParams | None:
-        """The request's leg in any shape of docs/contract.md; a leg that
-        breaks the contract is logged, counted and treated as none (the
-        decode computes the request itself)."""
+        """The request's leg in any shape of docs/contract.md, parsed once;
+        a leg that breaks the contract is refused (:meth:`_refused`) and
+        treated as none: the request is served as a plain one. A release
+        (prefill) releases its transfer's KV now and is a plain request too."""
         req_id = request.request_id
         if req_id in self._legs:
             return self._legs[req_id]
         serves: LegRole = "prefill" if self._kv_role is Role.PRODUCER else "decode"
         leg = None
         try:
-            leg = self._contract.parse(request.kv_transfer_params, req_id, serves)
+            parsed = self._contract.parse(request.kv_transfer_params, req_id, serves)
         except ParamsError as exc:
-            log.error("kvpush: request %s: kv_transfer_params refused: %s", req_id, exc)
-            if self._sched is not None:
-                self._sched.refused_params += 1
+            self._refused(req_id, exc)
+        else:
+            if isinstance(parsed, Release):
+                if self._sched is not None:
+                    self._sched.release(parsed.transfer_id)
+            else:
+                leg = parsed
         self._legs[req_id] = leg
         return leg
+
+    def _refused(self, req_id: str, exc: ParamsError) -> None:
+        """Log a refused leg (the first of its class at ERROR, naming the fix;
+        the rest at DEBUG, counted by ``vllm:kvpush_params_refused_total``),
+        and tell its prefill to release the KV when the decode trusts the leg
+        (``exc.leg``: never a leg refused for trust)."""
+        assert self._sched is not None  # the scheduler side parses legs
+        fix = REFUSALS.get(exc.reason, REFUSALS["malformed"])
+        if self._sched.refused(exc.reason):
+            log.error(
+                "kvpush: request %s: kv_transfer_params refused (%s): %s. To fix: %s. The "
+                "request is served without kvpush. Further refusals of this kind are logged "
+                "at DEBUG and counted in vllm:kvpush_params_refused_total{reason=%r}",
+                req_id,
+                exc.reason,
+                exc,
+                fix,
+                exc.reason,
+            )
+        else:
+            log.debug("kvpush: request %s: kv_transfer_params refused: %s", req_id, exc)
+        if exc.leg is not None:
+            self._sched.decline(exc.leg)
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
@@ -220,13 +248,12 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._sched is None:
             return 0, False
         if self._kv_role is not Role.CONSUMER:
+            leg = self._params(request)  # at first sight: a release acts now
             if self._sched.breakdown.enabled:
-                self._sched.scheduled(request.request_id, self._params(request))
-            if self._progress is not None:
-                leg = self._params(request)
-                if leg is not None and leg.mode is Mode.PUSH:
-                    prompt = len(request.prompt_token_ids or ())
-                    self._progress.track(request.request_id, leg.transfer_id, prompt)
+                self._sched.scheduled(request.request_id, leg)
+            if self._progress is not None and leg is not None and leg.mode is Mode.PUSH:
+                prompt = len(request.prompt_token_ids or ())
+                self._progress.track(request.request_id, leg.transfer_id, prompt)
             return 0, False
         prompt = len(request.prompt_token_ids or ())
         n = self._sched.tokens_to_load(

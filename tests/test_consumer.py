@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import pytest
@@ -643,7 +644,7 @@ def test_suspect_blocks_drain_for_a_fresh_quarantine_once_the_producer_is_gone(
 
 
 def test_reserve_is_refused_while_the_producer_has_suspect_blocks() -> None:
-    c = make()  # max_suspect_blocks = 0
+    c = make(max_suspect_blocks=0)
     c.connect(0.0, "prefill-q")
     c.receive(
         0.0, "prefill-q", Identity("prefill-q", 1).hello(Role.PRODUCER, 1.0, TIMING.max_transit)
@@ -675,6 +676,29 @@ def test_max_suspect_blocks_is_a_cap() -> None:
     c.drain()
     assert c.suspect_blocks_of(P) == 2  # at the cap, not over it
     assert isinstance(c.reserve(42.0, "t3", P, ((5,),)), Reserved)
+
+
+def test_suspect_blocks_are_capped_by_default_at_a_quarter_of_the_budget() -> None:
+    """Issue 28: the default cap was 0, so one suspect transfer (an op that
+    never reported) turned every later reservation from that producer away.
+    Now the default lets a decode go on serving: a quarter of its budget, and
+    no cap without one."""
+    assert ConsumerConfig(Identity(D, 1)).suspect_cap == math.inf
+    assert ConsumerConfig(Identity(D, 1), max_reserved_blocks=9).suspect_cap == 2
+    c = make(max_reserved_blocks=16)  # cap 4
+    reserve(c, "t1")
+    c.handle_timer(30.0)
+    c.handle_timer(QUARANTINE)
+    c.drain()
+    assert c.suspect_blocks_of(P) == 2
+    assert isinstance(c.reserve(40.0, "t2", P, ((5, 6, 7),)), Reserved)  # other work goes on
+    c = make()  # no budget: no cap
+    reserve(c, "t1")
+    c.handle_timer(30.0)
+    c.handle_timer(QUARANTINE)
+    c.drain()
+    assert c.suspect_blocks_of(P) == 2
+    assert isinstance(c.reserve(40.0, "t2", P, ((5,),)), Reserved)
 
 
 def test_max_suspect_blocks_is_validated() -> None:
@@ -928,3 +952,23 @@ def test_a_completion_counts_only_from_the_reservations_producer() -> None:
     assert ready.timeline.notice_seen == (((Source(0), 0), 1.5),)
     assert ready.timeline.write_done == (((Source(0), 0), 2.0),)
 
+
+def test_a_draining_epoch_of_a_restarted_producer_needs_no_full_quarantine() -> None:
+    """Issue 28: a reservation withdrawn while its producer restarted waited
+    for deadline + max_transit + op_bound (42 s with the defaults). A
+    handshake with another instance proves the registered one gone: what it
+    may still place is bounded from that proof."""
+    c = make()
+    e = reserve(c)
+    c.preempt(1.0, "t1")
+    assert Withdraw("t1", e) in [s.message for s in c.drain() if isinstance(s, Send)]
+    assert c.reservations() == [("t1", e, CState.DRAINING)]
+    c.peer_lost(2.0, P)
+    c.connect(2.0, P)
+    c.receive(2.0, P, Identity(P, 2).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit))
+    c.drain()
+    fresh = 2.0 + TIMING.max_transit + P_OP_BOUND
+    assert c.next_deadline() == fresh < QUARANTINE
+    c.handle_timer(fresh)
+    assert [type(o) for o in c.drain()] == [Released]
+    assert c.stats()["requarantined_on_restart"] == 1

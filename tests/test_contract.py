@@ -4,13 +4,20 @@ naming a prefill it cannot trust)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from kvpush.protocol import Mode
-from kvpush_vllm._contract import NIXL_PREFILL_LEG, Contract, peer_of_request_id
-from kvpush_vllm._params import ParamsError, TransferParams
+from kvpush_vllm._contract import (
+    NIXL_PREFILL_LEG,
+    REFUSALS,
+    Contract,
+    peer_of_request_id,
+    release_params,
+)
+from kvpush_vllm._params import ParamsError, Release, TransferParams
 
 SECRET = b"s" * 16
 P = "10.0.0.1:9100"
@@ -118,14 +125,22 @@ def test_llmd_push_prefill_answers_its_identity_and_the_decode_leg_parses() -> N
     )
     # Parallel: the cached identity plus the per-request fields.
     assert c.parse(LLMD_DECODE, "d2", "decode") == TransferParams(
-        LLMD_DECODE["transfer_id"], "decode", Mode.PUSH, P, "llmd"  # type: ignore[arg-type]
+        LLMD_DECODE["transfer_id"],
+        "decode",
+        Mode.PUSH,
+        P,
+        "llmd",  # type: ignore[arg-type]
     )
 
 
 def test_moriio_legs_only_when_configured() -> None:
     on = Contract(allowed_peers=frozenset({P}), moriio=True)
     assert on.parse(MORI_DECODE, VR_ID, "decode") == TransferParams(
-        MORI_DECODE["transfer_id"], "decode", Mode.PUSH, P, "moriio"  # type: ignore[arg-type]
+        MORI_DECODE["transfer_id"],
+        "decode",
+        Mode.PUSH,
+        P,
+        "moriio",  # type: ignore[arg-type]
     )
     leg = on.parse(MORI_PREFILL, VR_ID, "prefill")
     assert leg is not None and (leg.transfer_id, leg.mode) == (MORI_ID, Mode.PUSH)
@@ -139,29 +154,142 @@ def test_moriio_legs_only_when_configured() -> None:
     assert peer_of_request_id(v6) == "[fd00::1]:9100"
 
 
+RELEASE = release_params("kvp-1", "push", SECRET)
+AMBIGUOUS = {"do_remote_prefill": True}
+
+
 @pytest.mark.parametrize(
-    ("params", "serves", "match"),
+    ("params", "serves", "match", "reason"),
     [
-        ({**NIXL_PREFILL, "do_remote_prefill": True}, "prefill", "both true"),
-        ({**kvpush_leg("decode"), "do_remote_prefill": True}, "decode", "ambiguous"),
-        ({**kvpush_leg("prefill"), "do_remote_decode": True}, "prefill", "ambiguous"),
-        (kvpush_leg("decode"), "prefill", "decode leg reached an instance that serves prefill"),
-        (NIXL_PREFILL, "decode", "prefill leg reached an instance that serves decode"),
-        (LLMD_DECODE, "prefill", "decode leg reached"),
-        ({**LLMD_DECODE, "transfer_mode": "pull"}, "decode", "transfer_mode must be 'push'"),
-        ({**LLMD_DECODE, "remote_port": "9100"}, "decode", "remote_port must be an integer"),
-        ({k: v for k, v in LLMD_DECODE.items() if k != "transfer_id"}, "decode", "transfer_id"),
-        (NIXL_DECODE, "decode", "NixlConnector decode leg"),
-        ({**NIXL_PREFILL, "do_remote_decode": "yes"}, "prefill", "true, false or null"),
-        ({**NIXL_PREFILL, "transfer_id": 7}, "prefill", "transfer_id must be a string"),
-        ({**LLMD_PREFILL, "transfer_id": "bad id!"}, "prefill", "transfer_id must be"),
-        (kvpush_leg("decode", extra_key=1), "decode", "unknown"),
-        ([1, 2], "decode", "must be an object"),
+        ({**NIXL_PREFILL, "do_remote_prefill": True}, "prefill", "both true", "contradictory"),
+        ({**kvpush_leg("decode"), "do_remote_prefill": True}, "decode", "ambiguous", "ambiguous"),
+        ({**kvpush_leg("prefill"), "do_remote_decode": True}, "prefill", "ambiguous", "ambiguous"),
+        ({**RELEASE, **kvpush_leg("prefill")}, "prefill", "together with a leg", "ambiguous"),
+        (kvpush_leg("decode"), "prefill", "decode leg reached an instance", "wrong_role"),
+        (
+            NIXL_PREFILL,
+            "decode",
+            "prefill leg reached an instance that serves decode",
+            "wrong_role",
+        ),
+        (LLMD_DECODE, "prefill", "decode leg reached", "wrong_role"),
+        (RELEASE, "decode", "release reached an instance that serves decode", "wrong_role"),
+        ({**LLMD_DECODE, "transfer_mode": "pull"}, "decode", "must be 'push'", "malformed"),
+        ({**LLMD_DECODE, "remote_port": "9100"}, "decode", "must be an integer", "malformed"),
+        (
+            {k: v for k, v in LLMD_DECODE.items() if k != "transfer_id"},
+            "decode",
+            "transfer_id",
+            "malformed",
+        ),
+        (NIXL_DECODE, "decode", "NixlConnector decode leg", "nixl_decode"),
+        (
+            {**NIXL_PREFILL, "do_remote_decode": "yes"},
+            "prefill",
+            "true, false or null",
+            "malformed",
+        ),
+        ({**NIXL_PREFILL, "transfer_id": 7}, "prefill", "must be a string", "malformed"),
+        ({**LLMD_PREFILL, "transfer_id": "bad id!"}, "prefill", "transfer_id must be", "malformed"),
+        (kvpush_leg("decode", extra_key=1), "decode", "unknown", "malformed"),
+        (
+            {"kvpush_release": {"transfer_id": "kvp-1"}},
+            "prefill",
+            "expected transfer_id, mode",
+            "malformed",
+        ),
+        (
+            {"kvpush_release": {"transfer_id": "kvp-1", "mode": "x"}},
+            "prefill",
+            "mode must be",
+            "malformed",
+        ),
+        ([1, 2], "decode", "must be an object", "malformed"),
     ],
 )
 def test_malformed_ambiguous_and_contradictory_legs_are_refused(
-    params: Any, serves: Any, match: str
+    params: Any, serves: Any, match: str, reason: str
 ) -> None:
+    """Each refusal has a class, whose fix the connector's first error names."""
     c = Contract(secret=SECRET, allowed_peers=frozenset({P}), moriio=True)
-    with pytest.raises(ParamsError, match=match):
+    with pytest.raises(ParamsError, match=match) as refused:
         c.parse(params, VR_ID, serves)
+    assert refused.value.reason == reason and reason in REFUSALS
+    # Only the ambiguous decode leg, to an allowed peer, is one a decode may
+    # tell its prefill about (next tests).
+    assert (refused.value.leg is not None) == (params == {**kvpush_leg("decode"), **AMBIGUOUS})
+
+
+def test_moriio_legs_without_router_discovery_and_untrusted_legs_have_their_class() -> None:
+    with pytest.raises(ParamsError) as refused:
+        Contract(allowed_peers=frozenset({P})).parse(MORI_DECODE, VR_ID, "decode")
+    assert refused.value.reason == "moriio"
+    with pytest.raises(ParamsError) as refused:
+        Contract().parse(kvpush_leg("decode"), "r", "decode")
+    assert (refused.value.reason, refused.value.leg) == ("untrusted", None)
+    assert "`secret` on the router and both instances" in REFUSALS["untrusted"]
+    assert "`allowed_peers`" in REFUSALS["untrusted"]
+
+
+def test_a_refused_leg_carries_its_decode_leg_only_when_the_decode_trusts_it() -> None:
+    """A decode tells a prefill to release (``SchedulerSide.decline``) only
+    for a leg it refused for a reason other than trust, and whose peer it
+    trusts (sealed, or allowed): never a peer an untrusted leg names."""
+    ambiguous = {**kvpush_leg("decode"), "do_remote_prefill": True}
+    leg = TransferParams("kvp-1", "decode", Mode.PUSH, P)
+    with pytest.raises(ParamsError) as allowed:
+        Contract(allowed_peers=frozenset({P})).parse(ambiguous, "r", "decode")
+    assert allowed.value.leg == leg
+    sealer = Contract(secret=SECRET)
+    sealed = {**kvpush_leg("decode", seal=sealer.seal(leg)), "do_remote_prefill": True}
+    with pytest.raises(ParamsError) as trusted:
+        sealer.parse(sealed, "r", "decode")
+    assert trusted.value.leg == leg
+    for contract in (Contract(), Contract(secret=SECRET), Contract(allowed_peers=frozenset({"x"}))):
+        with pytest.raises(ParamsError) as untrusted:
+            contract.parse(ambiguous, "r", "decode")
+        assert untrusted.value.reason == "ambiguous" and untrusted.value.leg is None
+    with pytest.raises(ParamsError) as prefill:  # a prefill has no one to tell
+        Contract(allowed_peers=frozenset({P})).parse(
+            {**kvpush_leg("prefill"), "do_remote_decode": True}, "r", "prefill"
+        )
+    assert prefill.value.leg is None
+
+
+def test_a_release_is_sealed_with_its_own_label_and_refused_when_forged() -> None:
+    """``release_params`` (what ``kvpush router`` sends the prefill when the
+    decode leg failed at the decode's API layer): sealed under the secret over
+    its own label, parsed by a prefill into a :class:`Release`; a forged one,
+    or a decode leg's seal, is refused. A prefill without a secret takes an
+    unsealed one (the router's transfer ids are random)."""
+    tid = "kvp-" + "a" * 32
+    release = json.loads(json.dumps(release_params(tid, "pull", SECRET)))  # as sent
+    assert set(release) == {"kvpush_release"}
+    assert set(release["kvpush_release"]) == {"transfer_id", "mode", "seal"}
+    prefill = Contract(secret=SECRET)
+    assert prefill.parse(release, "r", "prefill") == Release(tid, Mode.PULL)
+    unsealed = release_params(tid, "pull", None)
+    assert unsealed == {"kvpush_release": {"transfer_id": tid, "mode": "pull"}}
+    assert Contract().parse(unsealed, "r", "prefill") == Release(tid, Mode.PULL)
+    assert Contract().parse(release, "r", "prefill") == Release(tid, Mode.PULL)
+    seal = release["kvpush_release"]["seal"]
+    decode_seal = prefill.seal(TransferParams(tid, "decode", Mode.PULL, P))
+    forged = [
+        unsealed,  # no seal, at a prefill with a secret
+        release_params(tid, "pull", b"t" * 16),  # another cluster's secret
+        {"kvpush_release": {"transfer_id": "kvp-other", "mode": "pull", "seal": seal}},
+        {"kvpush_release": {"transfer_id": tid, "mode": "push", "seal": seal}},
+        {"kvpush_release": {"transfer_id": tid, "mode": "pull", "seal": decode_seal}},
+    ]
+    for params in forged:
+        with pytest.raises(ParamsError, match="not sealed under") as refused:
+            prefill.parse(params, "r", "prefill")
+        assert refused.value.reason == "release_unsealed"
+    # Nor does a release's seal make a decode leg trusted.
+    leg = kvpush_leg("decode", mode="pull", seal=seal)
+    leg["kvpush"]["transfer_id"] = tid
+    with pytest.raises(ParamsError, match="seal is missing or wrong"):
+        prefill.parse(leg, "r", "decode")
+    for bad in (("bad id!", "push"), (tid, "fast")):
+        with pytest.raises(ParamsError):
+            release_params(*bad, SECRET)

@@ -159,7 +159,7 @@ def test_every_cpu_tile_pair_is_exact_or_refused_naming_block_size(
     if refused is not None:
         assert bp != bc, refused
         assert refused.field == "block_size", refused
-        assert f"'{bc}' here, '{bp}' there" in str(refused)
+        assert f"'{bp}' on the producer 'p', '{bc}' on the consumer 'd'" in str(refused)
         return
     # Accepted: then every value must arrive (before the fix, 32/64 failed here, on K).
     n = 3 * max(bp, bc) + 5

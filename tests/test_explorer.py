@@ -53,6 +53,17 @@ def test_explorer_finds_a_consumer_that_readies_early(monkeypatch: pytest.Monkey
         explore(config, transfers=1, preemptions=0)
 
 
+def test_every_interleaving_with_an_op_that_never_reports() -> None:
+    """Issue 28: a hung write or read ends only through its initiator's
+    cancel, and every block comes back (I3 without exception), in every
+    order with a preemption. (Without the cancel the walk never ends: the
+    suspect probes go on for ever; ``tests/test_regressions.py`` shows it.)"""
+    config = WorldConfig(producer_tp=1, consumer_tp=1, **NO_TIMEOUTS)
+    result = explore(config, transfers=1, preemptions=1, duplicates=0, hangs=1)
+    assert result.states > 200
+    assert result.terminal_states >= 2
+
+
 def test_every_interleaving_of_two_staged_transfers_sharing_one_slot() -> None:
     """Issue 27: the decode's pool holds one slot (two pages, a transfer's
     blocks), so the second reservation gets it only once the first ended,
@@ -136,10 +147,10 @@ def test_every_interleaving_with_a_process_stall(monkeypatch: pytest.MonkeyPatch
 KEYED = {
     _Reservation: "transfer_id epoch peer mode blocks deadline skip_tokens stage state done "
     "settled "
-    "quarantine_at failed instance after_reads attempt probes timers",
+    "quarantine_at failed instance after_reads attempt probes timers reads op_timer",
     Transfer: "transfer_id state peer max_epoch max_attempt src partial reg pending inflight sent "
     "committed writes owe "
-    "ending delivered_epoch acked_epoch hold_until quarantine_at expires_at timers",
+    "ending delivered_epoch acked_epoch hold_until quarantine_at expires_at timers op_timer",
 }
 
 

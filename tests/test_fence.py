@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.protocol import Codec, HeadSlice, Role, Route, Source, StartRead, StartWrite
+from kvpush.protocol import Cancel, Codec, HeadSlice, Role, Route, Source, StartRead, StartWrite
 from kvpush.runtime import DataPlane, OpResult, Rank
 from kvpush_vllm import _worker
 from kvpush_vllm._worker import WorkerSide
@@ -163,3 +163,51 @@ def test_the_worker_fences_writes_on_the_event_recorded_where_the_forward_was_qu
     assert none is None and r is None
     assert isinstance(e1, Event) and isinstance(e2, Event) and (e1.seq, e2.seq) == (1, 2)
     assert stream.finished == 0 and worker.take_computed() == [(0, "req", 16)]
+
+
+# --- the core's Cancel (issue 28) ------------------------------------------------
+
+
+def test_a_cancel_drops_a_write_still_waiting_for_its_fence(dataplane: Any) -> None:
+    """Past its bound and never posted (its forward never finished): dropped,
+    and reported failed, since nothing of it ever moved."""
+    dp, posted, reported = dataplane
+    stream = LateStream()
+    dp.submit(write("a"), stream.record())
+    dp.cancel(Cancel("a", 1, "decode", Source(0), 0))
+    wait_for(lambda: len(reported) == 1)
+    (result,) = reported
+    assert isinstance(result, OpResult) and result.error == "cancelled before it was posted"
+    stream.run()
+    time.sleep(0.02)
+    assert posted == []  # never posted after the cancel
+
+
+class _Stuck(_Idle):
+    """A transport whose posted ops never report on their own."""
+
+    def __init__(self, confirms: bool) -> None:
+        self.confirms = confirms
+        self.cancelled: list[int] = []
+
+    def cancel(self, handle: int) -> bool:
+        self.cancelled.append(handle)
+        return self.confirms
+
+
+@pytest.mark.parametrize("confirms", [True, False])
+def test_a_cancel_of_a_posted_op_goes_to_its_transport(confirms: bool) -> None:
+    """The data plane never reports a posted op failed on its own: it asks the
+    transport, whose poll reports the op; one that cannot confirm leaves it
+    posted (counted, logged)."""
+    t = _Stuck(confirms)
+    dp = DataPlane(Role.PRODUCER, {0: Rank(t, None)}, 1, Codec())  # type: ignore[arg-type]
+    results: list[Any] = []
+    dp._posted[(0, 7)] = (write("a"), 0.0, 0.0, 0.0)
+    dp._cancel(Cancel("b", 1, "decode", Source(0), 0), results)  # another op: untouched
+    assert t.cancelled == [] and dp.cancels == 0
+    dp._cancel(Cancel("a", 1, "decode", Source(0), 0), results)
+    assert t.cancelled == [7] and dp.cancels == 1
+    assert results == []  # the transport's poll reports it, not a guess here
+    assert dp.cancels_unconfirmed == (0 if confirms else 1)
+    assert (0, 7) in dp._posted

@@ -116,7 +116,9 @@ def test_check_compatible_names_max_transit_symmetrically() -> None:
         with pytest.raises(IncompatiblePeerError) as info:
             check_compatible(local, remote)
         assert info.value.field == "max_transit"
-    assert str(info.value).endswith("3.0 here, 2.0 there")
+        # The same text on both sides: each value named by its own side.
+        want = "2.0 on the producer 'prefill', 3.0 on the consumer 'decode'"
+        assert str(info.value).endswith(want)
 
 
 def test_an_endpoints_hello_carries_its_timing() -> None:

@@ -731,3 +731,34 @@ def test_peer_killed_mid_transfer_reports_an_error_never_hangs() -> None:
     assert results["settle_s"] < 5, results
     assert results["again"], results
     assert results["closed"], results
+
+
+class _Releases:
+    """A NIXL agent stand-in that can or cannot release a running transfer."""
+
+    def __init__(self, can: bool) -> None:
+        self.can = can
+
+    def release(self, xfer: object) -> bool:
+        return self.can
+
+    def state(self, xfer: object) -> str:
+        return "PROC"  # it never settles on its own
+
+
+@pytest.mark.parametrize("can", [True, False])
+def test_a_cancel_fails_a_transfer_only_once_nixl_released_it(can: bool) -> None:
+    """Issue 28: a transfer NIXL never settles is reported failed only once
+    NIXL released (cancelled) it; one NIXL cannot release stays posted."""
+    from kvpush_nixl._books import Transfers
+
+    books = Transfers(_Releases(can))  # type: ignore[arg-type]
+    handle = books.track(object(), "peer")  # type: ignore[arg-type]
+    assert books.cancel(handle) is can
+    completed = books.poll()
+    if can:
+        assert [c.handle for c in completed] == [handle] and completed[0].error
+        assert len(books) == 0
+        assert books.cancel(handle) is True  # settled: nothing to cancel
+    else:
+        assert completed == [] and len(books) == 1

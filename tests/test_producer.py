@@ -9,6 +9,7 @@ import pytest
 from kvpush.protocol import (
     Abort,
     Announce,
+    Cancel,
     Completion,
     ControlMessage,
     Extend,
@@ -133,7 +134,8 @@ def test_not_after_is_receipt_plus_lease() -> None:
     p.kv_ready(5.0, "t1", SRC)
     (w,) = writes(p.drain())
     assert w.not_after == 13.0
-    assert p.next_deadline() is None  # no timer bounds the writes: the transport reports them
+    # The only timer left bounds the write: op_bound after it was handed over.
+    assert p.next_deadline() == 5.0 + TIMING.op_bound
     tl = p.timeline("t1")
     assert tl is not None
     assert (tl.registration_received, tl.kv_ready, tl.write_started) == (3.0, 5.0, 5.0)
@@ -406,14 +408,16 @@ def test_kv_ready_after_abort_releases_immediately() -> None:
 def test_no_timer_declares_a_write_dead(late: str) -> None:
     """A write that never completes stays in flight until the transport says
     so: however long that takes, no timer fails it, the source stays held and
-    nothing is sent; the late report settles it as reported."""
+    nothing is sent; the late report settles it as reported. (Its bound only
+    asks the adapter to cancel it, once.)"""
     p = make(p_tp=2)
     ws = writing(p, lease=10.0)
-    assert p.next_deadline() is None
+    assert p.next_deadline() == TIMING.op_bound
     finish(p, ws[:1], 2.0)
-    for when in (10.0 + TIMING.op_bound, 1e6):  # past the old op bound, and far past
-        p.handle_timer(when)
-        assert p.drain() == []
+    p.handle_timer(10.0 + TIMING.op_bound)
+    assert p.drain() == [Cancel("t1", 1, D, Source(1), 0)]
+    p.handle_timer(1e6)
+    assert p.drain() == []
     assert p.transfers() == [("t1", PState.WRITING)]
     assert p.held_blocks == 3
     assert "write_timeout" not in p.stats()
@@ -437,9 +441,9 @@ def test_no_timer_declares_a_draining_write_dead() -> None:
     ws = writing(p, lease=10.0)
     p.peer_lost(1.0, D)
     assert p.transfers() == [("t1", PState.DRAINING)]
-    assert p.next_deadline() is None
+    assert p.next_deadline() == TIMING.op_bound  # the write's bound: a cancel, no more
     p.handle_timer(1e6)
-    assert p.drain() == []
+    assert p.drain() == [Cancel("t1", 1, D, Source(0), 0)]
     assert p.held_blocks == 3
     finish(p, ws, 1e6 + 1)
     assert released(p.drain()) == [ReleaseOutcome.PEER_LOST]
@@ -832,3 +836,78 @@ def test_the_data_planes_stamps_of_each_write_reach_the_timeline() -> None:
     assert (tl.kv_ready, tl.write_started, tl.released) == (1.0, 1.0, 3.0)
     assert tl.ops == (((w0.route.source, 0), OpStamps(1.1, 1.2, 1.3, 1.4)),)
     assert dict(tl.write_done) == {(w0.route.source, 0): 2.0, (w1.route.source, 0): 2.5}
+
+
+# --- ops that never report (issue 28) ------------------------------------------
+
+
+def cancels(out: list[Any]) -> list[Cancel]:
+    return [o for o in out if isinstance(o, Cancel)]
+
+
+def test_a_write_in_flight_past_op_bound_is_cancelled_and_settles_on_its_report() -> None:
+    """Issue 28: a write whose transport never reported kept the source and
+    the consumer's blocks for ever. The producer now asks its adapter to
+    cancel it op_bound after the StartWrite, once, and settles the epoch as
+    for any failed write when the adapter reports the cancel confirmed."""
+    p = make(p_tp=2)
+    ws = writing(p, now=1.0)
+    assert len(ws) == 2
+    finish(p, ws[:1], 2.0)  # one lands; the other never reports
+    assert sent(p.drain()) == []
+    p.handle_timer(1.0 + TIMING.op_bound - 0.001)
+    assert p.drain() == []
+    p.handle_timer(1.0 + TIMING.op_bound)
+    (cancel,) = cancels(p.drain())
+    w = ws[1]
+    assert cancel == Cancel("t1", 1, D, w.route.source, w.route.consumer_rank)
+    assert p.stats()["write_cancel"] == 1
+    assert p.next_deadline() is None  # asked once: the adapter owns it now
+    p.handle_timer(100.0)
+    assert cancels(p.drain()) == []
+    assert p.held_blocks == len(SRC[0])  # held until the transport confirms
+    finish(p, [w], 101.0, fail=True)  # confirmed: nothing of it moves any more
+    out = p.drain()
+    assert [type(m) for m in sent(out)] == [WriteFailed, Settled]
+    assert released(out) == [ReleaseOutcome.FAILED]
+    assert p.held_blocks == 0
+
+
+def test_a_write_that_finishes_first_is_not_cancelled() -> None:
+    p = make()
+    (w,) = writing(p, now=1.0)
+    finish(p, [w], 1.0 + TIMING.op_bound - 0.5)
+    p.drain()
+    p.handle_timer(1.0 + TIMING.op_bound)
+    assert cancels(p.drain()) == []
+    assert "write_cancel" not in p.stats()
+
+
+def test_a_cancelled_write_that_finished_after_all_counts_as_done() -> None:
+    """A cancel races the write: the transport may report it done instead."""
+    p = make()
+    (w,) = writing(p, now=0.0)
+    p.handle_timer(TIMING.op_bound)
+    assert len(cancels(p.drain())) == 1
+    finish(p, [w], TIMING.op_bound + 1.0)
+    assert p.transfers() == [("t1", PState.DELIVERED)]
+
+
+@pytest.mark.parametrize("proof", ["restart", "peer_gone"])
+def test_delivered_kv_of_a_consumer_proven_gone_is_released_at_once(proof: str) -> None:
+    """Issue 28: DELIVERED with its consumer lost held the KV for the whole
+    kv_hold_timeout, waiting for a re-registration. A lost connection still
+    holds it (the decode may come back); proof that its process is gone (a
+    new instance of it, or the caller's peer_gone) releases it at once."""
+    p = make()
+    delivered(p)
+    p.peer_lost(2.0, D)
+    assert p.drain() == []
+    assert p.transfers() == [("t1", PState.DELIVERED)]
+    if proof == "restart":
+        p.receive(3.0, D, Identity(D, 2).hello(Role.CONSUMER, C_OP_BOUND, TIMING.max_transit))
+    else:
+        assert p.peer_gone(3.0, D) == 1
+    assert released(p.drain()) == [ReleaseOutcome.DELIVERED]
+    assert p.held_blocks == 0
+    assert p.stats()["delivered_released_peer_gone"] == 1

@@ -7,6 +7,7 @@ from typing import TypeVar
 from kvpush.protocol import (
     Abort,
     Announce,
+    Cancel,
     Consumer,
     ConsumerConfig,
     ControlMessage,
@@ -311,7 +312,13 @@ def test_no_timer_declares_a_read_dead() -> None:
     w.collect()
     assert [f.reason for f in w.take(D, Failed)] == [FailureReason.TIMEOUT]
     assert w.c.reservations() == [("t1", e, CState.READ_DRAIN)]
-    assert w.c.next_deadline() is None  # nothing but the transport ends the drain
+    # Nothing but the transport ends the drain: the read's bound (op_bound
+    # after the StartRead, long past) only asked the adapter to cancel it
+    # (issue 28), once.
+    r = reads[1]
+    assert w.events[D] == [Cancel("t1", e, P, r.route.source, r.route.consumer_rank)]
+    w.events[D].clear()
+    assert w.c.next_deadline() is None
     w.c.handle_timer(reads[0].not_after + 1000.0)
     w.collect()
     assert w.inflight == []  # the Abort waits for the read: the source must stay lent

@@ -13,6 +13,7 @@ from kvpush.protocol import (
     Rejected,
     ReleaseOutcome,
     Settled,
+    StartRead,
 )
 from kvpush.testing import World, WorldConfig
 
@@ -161,12 +162,13 @@ def test_a_registration_copy_after_unknown_peer_is_not_served() -> None:
     assert w.producer.stats()["register_stale"] == 1
 
 
-def test_a_hung_write_keeps_its_blocks_suspect_and_the_world_still_quiesces() -> None:
-    """A write that never completes, with its producer connected: no timer
-    declares it dead, so the decode's blocks stay suspect (probed for ever,
-    nothing answers). The property machine found the model's quiescence
-    looping on those probes; it must end, and I3 excuses exactly that
-    transfer's blocks."""
+def test_a_hung_write_is_cancelled_and_every_block_comes_back() -> None:
+    """A write that never completes, with its producer connected. Before
+    issue 28 no one ended it: the decode's blocks stayed suspect, probed for
+    ever, and the producer's source held for ever (I3 excused them). Now the
+    producer asks for its cancel op_bound after the StartWrite; once the
+    transport confirms, the epoch settles as for any failed write, and the
+    world quiesces with nothing held on either side."""
     w = World(WorldConfig(ready_timeout=5.0, kv_hold_timeout=3.0, tombstone_ttl=5.0))
     assert w.reserve("t0") and w.kv_ready("t0")
     while w.net.queue:
@@ -177,9 +179,34 @@ def test_a_hung_write_keeps_its_blocks_suspect_and_the_world_still_quiesces() ->
         assert w.reserve(tid) and w.kv_ready(tid)
     w.quiesce()
     assert w.hung == {("t0", 1)}
-    assert [(t, st) for t, _, st in w.consumer.reservations()] == [("t0", CState.SUSPECT)]
-    assert w.consumer.suspect_blocks == w.consumer.reserved_blocks == 2
-    assert w.consumer.next_deadline() is not None  # the next probe
+    assert w.ready == {"t1", "t2"}
+    assert ("t0", 1) in w.failed
+    assert w.consumer.reservations() == []
+    assert w.consumer.reserved_blocks == w.consumer.suspect_blocks == 0
+    assert w.producer.held_blocks == 0
+    assert w.producer.stats()["write_cancel"] == 1
+    assert w.consumer.next_deadline() is None and w.producer.next_deadline() is None
+
+
+def test_the_long_runs_seed_with_a_hung_op_in_a_pull_reservation_quiesces() -> None:
+    """``make long`` failed "the world did not quiesce" on a run with hung
+    ops, a pull reservation, a progressive increment and TP 1 -> 3 (issue
+    28's seed): a hung read held its reservation in ``READ_DRAIN`` for ever.
+    The consumer now cancels its own reads past their bound."""
+    w = World(WorldConfig(consumer_tp=3, num_kv_heads=3, ready_timeout=5.0, kv_hold_timeout=3.0))
+    assert w.reserve("t0", Mode.PULL) and w.kv_ready("t0")
+    assert w.kv_increment("t1") and w.reserve("t1")
+    while w.net.queue:
+        w.deliver(0)
+    reads = [i for i, op in enumerate(w.ops) if isinstance(op.action, StartRead)]
+    assert len(reads) == 3
+    w.post(reads[0])
+    w.hang(reads[0])
+    assert w.kv_ready("t1")  # the rest of t1's source
+    w.quiesce()
+    assert "t0" in {t for t, _ in w.failed} and "t0" not in w.ready
+    assert w.consumer.reserved_blocks == w.producer.held_blocks == 0
+    assert w.consumer.stats()["read_cancel"] == 1
 
 
 def test_a_copy_of_a_taken_registration_reaching_a_producer_that_lost_the_decode() -> None:

@@ -123,6 +123,12 @@ class Fake:
         self.handler = handler
         self.seen: list[Seen] = []
         self.port = 0
+        #: What GET /metrics answers; GET /health answers ``health`` (vLLM's 200).
+        self.metrics = ""
+        self.health = 200
+        self.probes: list[float] = []
+        #: Release legs (``x-kvpush-leg: release``), answered 200 at once.
+        self.releases: list[Seen] = []
 
     async def serve(self, *, task_status: TaskStatus[None]) -> None:
         async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
@@ -151,6 +157,19 @@ class Fake:
             headers = {k.decode(): v.decode() for k, v in head.headers}
             parsed = json.loads(body) if body else {}
             seen = Seen(head.target.decode(), headers, parsed, now())
+            if seen.path in ("/health", "/metrics") or headers.get("x-kvpush-leg") == "release":
+                reply = Reply(conn, stream, seen)
+                if seen.path == "/health":
+                    self.probes.append(now())
+                    await reply.json(self.health, {})
+                elif seen.path == "/metrics":
+                    await reply.start(200, "text/plain")
+                    await reply.send(self.metrics.encode())
+                    await reply.end()
+                else:
+                    self.releases.append(seen)
+                    await reply.json(200, {"id": "cmpl-release", "choices": []})
+                return
             self.seen.append(seen)
             async with anyio.create_task_group() as tg:
 
@@ -834,3 +853,225 @@ async def test_router_main_stops_cleanly_on_sigterm() -> None:
                     break
             proc.send_signal(signal.SIGTERM)
             assert await proc.wait() == 0
+
+
+# --------------------------------------------------------------------------- health (issue 28)
+
+
+def ids(fake: Fake) -> list[str]:
+    return [x.params["transfer_id"] for x in fake.seen]
+
+
+async def test_a_down_prefill_is_retried_elsewhere_skipped_and_probed_back() -> None:
+    world = World()
+    broken = [True]
+
+    async def flaky(seen: Seen, reply: Reply) -> None:  # p0: a 503 while "down"
+        if broken[0]:
+            await reply.json(503, {"error": {"message": "engine dead"}})
+            return
+        await prefill(world)(seen, reply)
+
+    async with stack([flaky, prefill(world, delay=0.05)], [decode(world)]) as s:
+        p0, p1 = s.prefills
+        p0.health = 503
+        first = await call(s.port, "POST", "/v1/completions", completion())
+        # Round order sends the first request to p0: it fails, and the request
+        # is tried again on p1 with a new transfer id and a decode leg to match.
+        assert first.status == 200, first.body
+        (t0,) = ids(p0)
+        (t1,) = ids(p1)
+        assert t0 != t1 and first.headers["x-request-id"] == t1
+        d_legs = s.d.seen
+        assert [x.params["transfer_id"] for x in d_legs] == [t0, t1]
+        assert [x.params["peer"] for x in d_legs] == ["127.0.0.1:9100", "127.0.0.1:9101"]
+        await until(d_legs[0].gone.is_set)
+        assert d_legs[0].aborted  # the first decode leg was cut, never answered twice
+        await until(lambda: s.router.statistics().inflight == 0)
+        stats = s.router.statistics()
+        assert stats.retries == 1 and stats.failures == 0
+        assert [x.up for x in stats.prefills] == [False, True]
+        for _ in range(3):  # p0 is down: it gets nothing new
+            assert (await call(s.port, "POST", "/v1/completions", completion())).status == 200
+        assert len(p0.seen) == 1 and len(p1.seen) == 4
+        health = (await call(s.port, "GET", "/health")).json()
+        assert health["prefills"][0]["up"] is False
+        assert "503" in health["prefills"][0]["down_because"]
+        # Probed with backoff: ~0.5 s, then ~1 s later (+-20%).
+        await until(lambda: len(p0.probes) >= 2)
+        gap = p0.probes[1] - p0.probes[0]
+        assert 0.75 <= gap <= 1.3, p0.probes
+        broken[0], p0.health = False, 200
+        await until(lambda: s.router.statistics().prefills[0].up)
+        answers = [await call(s.port, "POST", "/v1/completions", completion()) for _ in range(2)]
+        assert [a.status for a in answers] == [200, 200]
+        assert len(p0.seen) == 3  # back, and behind on the round: it takes both
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_every_instance_of_a_side_down_is_a_prompt_503(side: str) -> None:
+    world = World()
+    handlers: tuple[list[Handler | None], list[Handler | None]] = (
+        ([None], [decode(world)]) if side == "prefill" else ([prefill(world)], [None])
+    )
+    async with stack(*handlers) as s:
+        first = await call(s.port, "POST", "/v1/completions", completion())
+        assert first.status == 502  # it was up when the request left: its failure, named
+        cause = first.json()["error"]["kvpush"]
+        assert cause["leg"] == side and cause["cause"] == "connect"
+        start = now()
+        answer = await call(s.port, "POST", "/v1/completions", completion())
+        assert now() - start < 0.2
+        assert answer.status == 503 and int(answer.headers["retry-after"]) >= 1
+        error = answer.json()["error"]
+        assert f"every {side} instance is down" in error["message"]
+        assert "cannot connect" in error["message"]
+        assert error["kvpush"]["leg"] == side and error["kvpush"]["cause"] == "down"
+        await until(lambda: s.router.statistics().inflight == 0)
+        assert s.router.statistics().rejected == 1
+
+
+async def test_a_failed_decode_leg_is_never_sent_again_and_its_cause_is_named() -> None:
+    world = World()
+
+    async def refused(seen: Seen, reply: Reply) -> None:
+        message = "KV load failed: handshake refused: block_size: '32' here, '64' there"
+        await reply.json(500, {"error": {"message": message, "code": 500}})
+
+    async with stack([prefill(world, delay=0.3)] * 2, [refused, decode(world)]) as s:
+        answer = await call(s.port, "POST", "/v1/completions", completion())
+        assert answer.status == 502
+        error = answer.json()["error"]
+        assert "block_size: '32' here, '64' there" in error["message"]
+        assert error["kvpush"] == {
+            "leg": "decode",
+            "instance": f"http://127.0.0.1:{s.decodes[0].port}",
+            "cause": "status",
+            "upstream_status": 500,
+            "upstream_message": (
+                "KV load failed: handshake refused: block_size: '32' here, '64' there"
+            ),
+            "transfer_id": answer.headers["x-request-id"],
+        }
+        assert len(s.decodes[0].seen) == 1 and not s.decodes[1].seen  # not retried
+        # The decode answering 5xx is down: the next request goes to the other.
+        assert (await call(s.port, "POST", "/v1/completions", completion())).status == 200
+        assert len(s.decodes[0].seen) == 1 and len(s.decodes[1].seen) == 1
+
+
+async def test_a_decode_reporting_suspect_blocks_gets_requests_only_when_no_other_can() -> None:
+    world = World()
+    async with stack([prefill(world)], [decode(world)] * 2, metrics_interval=0.05) as s:
+        d0, d1 = s.decodes
+        d0.metrics = (
+            "# TYPE vllm:kvpush_blocks gauge\n"
+            'vllm:kvpush_blocks{engine="0",kind="reserved",model_name="m"} 40.0\n'
+            'vllm:kvpush_blocks{engine="0",kind="suspect",model_name="m"} 12.0\n'
+        )
+        await until(lambda: s.router.statistics().decodes[0].suspect_blocks == 12)
+        for _ in range(3):
+            assert (await call(s.port, "POST", "/v1/completions", completion())).status == 200
+        assert len(d0.seen) == 0 and len(d1.seen) == 3
+        health = (await call(s.port, "GET", "/health")).json()
+        assert [x["suspect_blocks"] for x in health["decodes"]] == [12, 0]
+        d0.metrics = 'kvpush:blocks{role="consumer",engine="d0",kind="suspect"} 0.0\n'
+        await until(lambda: s.router.statistics().decodes[0].suspect_blocks == 0)
+        assert (await call(s.port, "POST", "/v1/completions", completion())).status == 200
+        assert len(d0.seen) == 1
+
+
+SECRET = b"sixteen-bytes-or-more!"
+
+
+async def test_sealed_decode_legs_are_trusted_without_allowed_peers() -> None:
+    from kvpush_vllm._contract import Contract
+
+    world = World()
+    async with stack([prefill(world)], [decode(world)], secret=SECRET) as s:
+        assert (await call(s.port, "POST", "/v1/completions", completion())).status == 200
+        (d,) = s.d.seen
+        leg = TransferParams(d.params["transfer_id"], "decode", Mode.PUSH, "127.0.0.1:9100")
+        assert d.params["seal"] == Contract(SECRET).seal(leg)
+        trusted = Contract(SECRET).parse(d.body["kv_transfer_params"], "r", "decode")
+        assert isinstance(trusted, TransferParams) and trusted.peer == "127.0.0.1:9100"
+        with pytest.raises(ParamsError, match="seal is missing or wrong"):
+            Contract(b"another-secret-of-16b").parse(d.body["kv_transfer_params"], "r", "decode")
+        assert "seal" not in s.p.seen[0].params  # the prefill leg needs none
+
+
+def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: pathlib.Path) -> None:
+    from kvpush.protocol import ConfigError
+    from kvpush_vllm._router import read_secret
+
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    assert read_secret(str(path), {}) == SECRET
+    assert read_secret(None, {"KVPUSH_SECRET": SECRET.decode()}) == SECRET
+    assert read_secret(None, {}) is None
+    path.write_bytes(b"short\n")
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        read_secret(str(path), {})
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_secret(str(tmp_path / "missing"), {})
+
+
+@pytest.mark.parametrize("kind", ["500", "400", "refused"])
+async def test_a_failed_decode_leg_releases_the_prefill_kv_at_once(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release leg; ``kvpush_vllm._contract.release_params`` is stubbed here
+    (the connector's side is tested with the connector)."""
+    import kvpush_vllm._contract as contract
+
+    calls: list[tuple[str, str, bytes | None]] = []
+
+    def release_params(transfer_id: str, mode: str, secret: bytes | None) -> dict[str, object]:
+        calls.append((transfer_id, mode, secret))
+        return {"kvpush": {"transfer_id": transfer_id, "role": "release", "mode": mode}}
+
+    monkeypatch.setattr(contract, "release_params", release_params, raising=False)
+    world = World()
+    handler = {"500": decode(world, status=500), "400": decode(world, status=400), "refused": None}
+    async with stack([prefill(world, delay=0.05)], [handler[kind]], secret=SECRET) as s:
+        start = now()
+        answer = await call(s.port, "POST", "/v1/completions", completion(model="mx"))
+        assert answer.status in (400, 502)
+        await until(lambda: bool(s.p.releases))
+        assert now() - start < 0.5  # a round trip, not a kv_hold_timeout
+        (release,) = s.p.releases
+        tid = answer.json()["error"]["kvpush"]["transfer_id"]
+        assert calls == [(tid, "push", SECRET)]
+        assert release.path == "/v1/completions"
+        assert release.body == {
+            "prompt": [0],
+            "max_tokens": 1,
+            "stream": False,
+            "model": "mx",
+            "kv_transfer_params": {
+                "kvpush": {"transfer_id": tid, "role": "release", "mode": "push"}
+            },
+        }
+        await until(lambda: s.router.statistics().releases == 1)
+        assert (await call(s.port, "GET", "/health")).json()["releases"] == 1
+
+
+async def test_no_release_leg_when_the_decode_answers() -> None:
+    world = World()
+    async with stack([prefill(world)], [decode(world)]) as s:
+        assert (await call(s.port, "POST", "/v1/completions", completion())).status == 200
+        await anyio.sleep(0.1)
+        stats = s.router.statistics()
+        assert not s.p.releases and stats.releases == stats.release_failures == 0
+
+
+async def test_the_release_leg_parses_at_a_prefill_with_the_same_secret() -> None:
+    from kvpush_vllm._contract import Contract
+
+    world = World()
+    async with stack([prefill(world, delay=0.05)], [decode(world, status=500)], secret=SECRET) as s:
+        answer = await call(s.port, "POST", "/v1/completions", completion())
+        assert answer.status == 502
+        await until(lambda: bool(s.p.releases))
+        leg = Contract(SECRET).parse(s.p.releases[0].body["kv_transfer_params"], "r", "prefill")
+        assert leg is not None and not isinstance(leg, TransferParams)
+        assert leg.transfer_id == answer.headers["x-request-id"]

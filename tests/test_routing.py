@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpush.protocol import ConfigError, LocalProtocolError
-from kvpush.routing import InstanceLoad, Ledger, Pick, pick
+from kvpush.routing import Health, InstanceLoad, Ledger, Pick, pick
 
 loads = st.builds(
     InstanceLoad,
@@ -134,3 +135,79 @@ def test_full_sides_give_none_and_misuse_raises() -> None:
         InstanceLoad(-1)
     with pytest.raises(ConfigError):
         Ledger(0, 1)
+
+
+# --- health and suspicion (issue 28) --------------------------------------------------
+
+
+@given(sides, sides, used, st.integers(1, 6), st.data())
+def test_never_picks_a_down_instance(
+    ps: list[InstanceLoad],
+    ds: list[InstanceLoad],
+    pair_used: list[list[int]],
+    n: int,
+    data: st.DataObject,
+) -> None:
+    ps = [replace(x, up=data.draw(st.booleans())) for x in ps]
+    choice = pick(ps, ds, pair_used, n)
+    if choice is None:
+        assert not any(x.fits(n) for x in ps) or not any(x.fits(n) for x in ds)
+        return
+    assert ps[choice.prefill].up
+
+
+def test_a_dead_instance_holding_nothing_is_not_the_least_loaded() -> None:
+    ledger = Ledger(2, 1)
+    for _ in range(4):
+        ledger.acquire()  # two each
+    ledger.mark("prefill", 0, up=False)
+    while ledger.prefills[0].outstanding:  # p0's requests all failed: it holds nothing now
+        ledger.release_prefill(0)
+    assert ledger.prefills[0].outstanding == 0
+    assert [ledger.acquire().prefill for _ in range(3)] == [1, 1, 1]  # type: ignore[union-attr]
+    ledger.mark("prefill", 1, up=False)
+    assert ledger.acquire() is None  # every prefill down: no pick
+    ledger.mark("prefill", 0, up=True)
+    assert ledger.acquire() == Pick(0, 0)
+
+
+def test_a_decode_with_suspect_blocks_ranks_after_every_clean_one() -> None:
+    clean, busy = InstanceLoad(), InstanceLoad(outstanding=9, reserved_blocks=90)
+    suspect = InstanceLoad(suspect_blocks=3)
+    p = [InstanceLoad()]
+    assert pick(p, [suspect, busy]) == Pick(0, 1)  # busier but clean
+    assert pick(p, [suspect, replace(busy, up=False)]) == Pick(0, 0)  # the only one up
+    assert pick(p, [suspect, clean]) == Pick(0, 1)
+    ledger = Ledger(1, 2)
+    ledger.mark("decode", 0, suspect_blocks=5)
+    assert {ledger.acquire().decode for _ in range(3)} == {1}  # type: ignore[union-attr]
+    ledger.mark("decode", 0, suspect_blocks=0)
+    assert ledger.acquire() == Pick(0, 0)
+    with pytest.raises(ConfigError):
+        InstanceLoad(suspect_blocks=-1)
+
+
+def test_health_backs_off_doubling_to_a_bound_with_jitter() -> None:
+    h = Health(2, first=0.5, most=10.0, jitter=0.2)
+    assert h.up(0) and h.next_probe() is None
+    assert h.failed(0, 100.0, 0.5, "refused") == 100.5  # u = 0.5: no jitter
+    assert not h.up(0) and h.why(0) == "refused" and h.down == (0,)
+    assert h.failed(0, 100.2, 0.5) == 100.5  # more failures while down: one strike
+    assert h.due(100.4) == [] and h.due(100.5) == [0]
+    delays = [h.probe_failed(0, 0.0, 0.5) for _ in range(6)]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert h.probe_failed(0, 0.0, 0.999) == 10.0  # jitter never passes the bound
+    assert h.probe_failed(0, 0.0, 0.0) == pytest.approx(8.0)  # -20%
+    h.answered(0)  # a probe answered: up, the count kept
+    assert h.up(0) and h.why(0) == ""
+    assert h.failed(0, 0.0, 0.5) == 10.0
+    h.served(0)  # a served request resets it
+    assert h.failed(0, 0.0, 0.5) == 0.5
+    assert h.next_probe() == 0.5 and h.up(1)
+    h2 = Health(1, first=0.5, most=10.0, jitter=0.2)
+    assert h2.failed(0, 0.0, 0.0) == pytest.approx(0.4)
+    assert Health(1).failed(0, 0.0, 0.999) == pytest.approx(0.5 * 1.1996)
+    with pytest.raises(ConfigError):
+        Health(0)
+    with pytest.raises(ConfigError):
+        Health(1, first=2.0, most=1.0)

@@ -64,4 +64,4 @@ def test_faults_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["simulate", "--qps", "4", "--input-tokens", "4k", "--modes", "push"]
     assert main([*args, "--requests", "60", "--kill-prefill-at", "3"]) == 0
     out = capsys.readouterr().out
-    assert "recovery" in out and "prefill_died" in out
+    assert "recovery" in out and "no_prefill_up" in out  # 1P: the router refuses (503)

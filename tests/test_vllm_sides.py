@@ -20,7 +20,16 @@ import pytest
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (make test installs it)")
 
-from kvpush.protocol import Codec, ConfigError, HeadOrder, MemoryType, Mode, Role, Staging
+from kvpush.protocol import (
+    Codec,
+    ConfigError,
+    HeadOrder,
+    MemoryType,
+    Mode,
+    PeerState,
+    Role,
+    Staging,
+)
 from kvpush.runtime import CostModel, HostCopier
 from kvpush_nixl import NixlTransport
 from kvpush_vllm._config import ConnectorConfig
@@ -171,9 +180,7 @@ class Instance:
         self.seen.failed.update(reports.failed)
         results = []
         for w in self.workers:
-            w.step(
-                out.actions, out.peers, self.sched.expecting(), self.sched.doorbell, out.staging
-            )
+            w.step(out.actions, out.peers, self.sched.expecting(), self.sched.doorbell, out.staging)
             results += w.take_results()
         heard = self.sched.results(results)  # vLLM hears these in the same step
         self.seen.sending |= heard.sending
@@ -554,9 +561,10 @@ def test_llmd_sidecar_push_exchange_with_an_identity_change_and_the_resend() -> 
         per_request = {"do_remote_prefill": True, "do_remote_decode": False}
         decode_leg("d-2", {**cached, **per_request, "transfer_id": "xfer-2"}, [5, 6])
         _fill(prefill, [7, 8], seed=2)
-        assert prefill_answers(prefill, "xfer-2", [7, 8])["remote_engine_id"] == cached[
-            "remote_engine_id"
-        ]
+        assert (
+            prefill_answers(prefill, "xfer-2", [7, 8])["remote_engine_id"]
+            == cached["remote_engine_id"]
+        )
         loaded(prefill, "d-2", [7, 8], [5, 6])
         run_until([prefill, decode], lambda: not prefill.sched.pending_push_work())
         # 3. The prefill restarts on the same address: a new instance.
@@ -593,3 +601,60 @@ def test_llmd_sidecar_push_exchange_with_an_identity_change_and_the_resend() -> 
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_refused_reservation_tells_the_prefill_which_releases_its_kv_at_once() -> None:
+    """Issue 28, item 4, through the runtime pair: the decode's core refuses a
+    reservation of a trusted leg (its block budget, here), so the decode
+    recomputes the request and tells the prefill (``Consumer.decline``): the
+    prefill's producer releases the held KV within a round trip, not at its
+    ``kv_hold_timeout``. Without a handshake with the leg's prefill nothing is
+    sent (and nothing dialed): counted, that prefill holds until its timeout."""
+    prefill = Instance(Role.PRODUCER, 1, port=free_port(), kv_hold_timeout=20.0)
+    decode = Instance(Role.CONSUMER, 1, kv_hold_timeout=20.0)
+    try:
+        peer = prefill.config.engine_id
+        # A first transfer: the decode's handshake with the prefill is done.
+        decode.sched.reserve("d-1", TransferParams("kvp-1", "decode", Mode.PUSH, peer), [1], 0)
+        prefill.sched.kv_ready("p-1", TransferParams("kvp-1", "prefill", Mode.PUSH, "d"), [1])
+        run_until([prefill, decode], lambda: "p-1" in prefill.seen.sending)
+        # The prefill holds the next transfer's KV; the decode's core refuses it.
+        prefill.sched.kv_ready("p-2", TransferParams("kvp-2", "prefill", Mode.PUSH, "d"), [2, 3])
+        rt = decode.sched._running()[0].runtime
+        rt.endpoint.config = replace(rt.endpoint.config, max_reserved_blocks=1)
+        started = time.monotonic()
+        decode.sched.reserve("d-2", TransferParams("kvp-2", "decode", Mode.PUSH, peer), [4, 5], 0)
+        run_until([prefill, decode], lambda: "p-2" in prefill.seen.sending, timeout=5.0)
+        assert time.monotonic() - started < 2.0
+        assert decode.seen.failed == {"d-2": [4, 5]}  # vLLM recomputes it
+        assert prefill.sched.stats().get("g:held") == 0
+        # A prefill never met: not told, not dialed; counted.
+        far = f"127.0.0.1:{free_port()}"
+        decode.sched.reserve("d-3", TransferParams("kvp-3", "decode", Mode.PUSH, far), [6, 7], 0)
+        counts = decode.sched.stats()
+        assert (counts.get("declined"), counts.get("decline_unsent")) == (1, 1), counts
+        with rt.lock:
+            assert rt.endpoint.peer(far).state is PeerState.DISCONNECTED
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_release_frees_the_prefills_kv_held_or_yet_to_come() -> None:
+    """The router's release (its decode leg failed before the decode's engine
+    saw it): a held transfer is released at once; one released before its KV
+    is ready gives the KV back as soon as it is (the core's tombstone)."""
+    prefill = Instance(Role.PRODUCER, 1, port=free_port(), kv_hold_timeout=20.0)
+    try:
+        prefill.sched.kv_ready("p-1", TransferParams("kvp-r1", "prefill", Mode.PUSH, "d"), [1, 2])
+        prefill.step()
+        assert "p-1" not in prefill.seen.sending  # held for its decode
+        prefill.sched.release("kvp-r1")
+        run_until([prefill], lambda: "p-1" in prefill.seen.sending, timeout=2.0)
+        prefill.sched.release("kvp-r2")  # before its KV is ready
+        prefill.sched.kv_ready("p-2", TransferParams("kvp-r2", "prefill", Mode.PUSH, "d"), [3])
+        run_until([prefill], lambda: "p-2" in prefill.seen.sending, timeout=2.0)
+        assert prefill.sched.stats()["release_legs"] == 2
+        assert not prefill.sched.pending_push_work()
+    finally:
+        prefill.close()

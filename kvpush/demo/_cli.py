@@ -7,14 +7,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import signal
 import sys
-import threading
-from types import FrameType
 from typing import Any
 
 from kvpush.protocol import Mode
 
+from ._children import interrupts
 from ._model import DEFAULT_MAX_MEMORY_MIB, MODELS, DemoError
 from ._report import problems, render, summarize
 from ._router import MAX_INSTANCES, TRANSPORTS, DemoConfig, DemoRouter
@@ -268,10 +266,6 @@ def shape_of(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the demo as ``args`` say; returns the exit status."""
     shape = shape_of(args)
@@ -299,28 +293,28 @@ def run(args: argparse.Namespace) -> int:
         )
         return USAGE
     observer: _Quiet | _Bar = _Quiet() if args.json else _Bar(cfg.requests)
-    try:
-        router = DemoRouter(cfg, observer)
-    except DemoError as exc:
-        return _fail(cfg, args.json, str(exc), USAGE)
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGTERM, _on_sigterm) if main else None  # stop like Ctrl-C
-    error, status = "", OK
-    try:
-        result = router.run()
-    except DemoError as exc:
-        error, status = str(exc), FAILED
-    except KeyboardInterrupt:
-        error, status = "interrupted; stopped every child process", INTERRUPTED
-    finally:
+    # Ctrl-C and SIGTERM: one KeyboardInterrupt, then every child is stopped.
+    with interrupts():
         try:
-            leftovers = router.shutdown()
+            router = DemoRouter(cfg, observer)  # imports NIXL: seconds
+        except DemoError as exc:
+            return _fail(cfg, args.json, str(exc), USAGE)
+        except KeyboardInterrupt:
+            return _fail(cfg, args.json, "interrupted", INTERRUPTED)
+        error, status = "", OK
+        try:
+            result = router.run()
+        except DemoError as exc:
+            error, status = str(exc), FAILED
+        except KeyboardInterrupt:
+            error, status = "interrupted; stopped every child process", INTERRUPTED
         finally:
-            observer.close()
-            if old is not None:
-                signal.signal(signal.SIGTERM, old)
+            try:
+                leftovers = router.shutdown()
+            finally:
+                observer.close()
     if error:
-        return _fail(cfg, args.json, error, status)
+        return _fail(cfg, args.json, error, status, run=router.prefix)
     result.leftovers = leftovers
     summary = summarize(cfg, router.model, result)
     failures = problems(summary)
@@ -336,7 +330,9 @@ def run(args: argparse.Namespace) -> int:
     return OK
 
 
-def _fail(cfg: DemoConfig, as_json: bool, error: str, status: int) -> int:
+def _fail(cfg: DemoConfig, as_json: bool, error: str, status: int, run: str = "") -> int:
+    """Say why on stderr (and in JSON with ``--json``: ``run`` is the run's
+    shared-memory prefix, once it has one)."""
     print(f"kvpush demo: error: {error}", file=sys.stderr, flush=True)
     if as_json:
         out: dict[str, Any] = {
@@ -345,5 +341,7 @@ def _fail(cfg: DemoConfig, as_json: bool, error: str, status: int) -> int:
             "requests": cfg.requests,
             "error": error,
         }
+        if run:
+            out["run"] = run
         print(json.dumps(out), flush=True)
     return status

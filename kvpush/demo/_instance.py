@@ -49,6 +49,7 @@ from kvpush.runtime import (
     ProducerRuntime,
 )
 
+from ._children import ignore_sigint
 from ._leader import Leader, LeaderSpec, last_write_done, ops_summary
 from ._wire import (
     Check,
@@ -262,7 +263,7 @@ def _describe(exc: BaseException) -> str:
 def leader_main(spec: LeaderSpec, rank_conns: list[Connection], conn: Connection) -> None:
     """Process entry point (``multiprocessing`` spawn target): ``rank_conns``
     lead to the instance's ranks, ``conn`` to the router."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router handles Ctrl-C
+    ignore_sigint()  # the router handles Ctrl-C
     signal.signal(signal.SIGTERM, _terminate)  # until the loop's own handler is up
     leader: Leader
     side = PrefillLeader if spec.role is Role.PRODUCER else DecodeLeader

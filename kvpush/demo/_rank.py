@@ -26,6 +26,7 @@ from types import FrameType
 
 from kvpush.shm import ShmTransport
 
+from ._children import ignore_sigint
 from ._model import SideGeometry
 from ._pattern import corrupt_blocks, fill
 from ._wire import Check, Fill, RankReply, RankUp
@@ -54,7 +55,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 def rank_main(spec: RankSpec, work: Connection, conn: Connection) -> None:
     """Process entry point (``multiprocessing`` spawn target): ``work`` is the
     pipe from the leader, ``conn`` the one from the router."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router handles Ctrl-C
+    ignore_sigint()  # the router handles Ctrl-C
     signal.signal(signal.SIGTERM, _terminate)
     parent = os.getppid()
     transport = ShmTransport(spec.agent, spec.geometry.segment_bytes, name=spec.segment)

@@ -57,6 +57,7 @@ from ._messages import (
 )
 from ._outputs import (
     Action,
+    Cancel,
     Event,
     Failed,
     Output,
@@ -102,6 +103,7 @@ __all__ = (
     "AuthenticationError",
     "BlockIds",
     "CState",
+    "Cancel",
     "Codec",
     "CodecLimits",
     "Completion",

@@ -157,6 +157,11 @@ class ConsumerConfig:
     ``max_suspect_blocks``: while a producer keeps more suspect blocks than
     this (failed epochs it neither settled nor was lost after their
     quarantine), reservations from it are refused (``PEER_SUSPECT``).
+    ``None`` (the default): a quarter of ``max_reserved_blocks``, unlimited
+    without a budget. A suspect transfer keeps only its own blocks, and
+    each ends (its producer settles it, cancels an op that never reported,
+    or is proven gone), so other work with that producer goes on meanwhile;
+    the cap only keeps one silent producer from taking the whole pool.
     ``epoch_base``: epochs this endpoint hands out start above it (use e.g. a
     start timestamp). ``staging_bytes``: the staging pool every consumer
     rank registers (``KVLayout.staging``, at least this large), handed out
@@ -170,7 +175,7 @@ class ConsumerConfig:
     max_reserved_blocks: int | None = None
     epoch_base: int = 0
     max_ready_timeout: float | None = None
-    max_suspect_blocks: int = 0
+    max_suspect_blocks: int | None = None
     staging_bytes: int = 0
     staging_page: int = 1 << 16
 
@@ -180,8 +185,9 @@ class ConsumerConfig:
             _positive("max_ready_timeout", self.max_ready_timeout)
             if self.max_ready_timeout < self.ready_timeout:
                 raise ConfigError("max_ready_timeout must be >= ready_timeout")
-        if type(self.max_suspect_blocks) is not int or self.max_suspect_blocks < 0:
-            raise ConfigError("max_suspect_blocks must be an int >= 0")
+        cap = self.max_suspect_blocks
+        if cap is not None and (type(cap) is not int or cap < 0):
+            raise ConfigError("max_suspect_blocks must be an int >= 0 or None")
         if self.max_reserved_blocks is not None and self.max_reserved_blocks < 0:
             raise ConfigError("max_reserved_blocks must be >= 0 or None")
         if self.epoch_base < 0:
@@ -190,6 +196,14 @@ class ConsumerConfig:
             raise ConfigError("staging_bytes must be an int >= 0")
         if type(self.staging_page) is not int or self.staging_page < 1:
             raise ConfigError("staging_page must be an int >= 1")
+
+    @property
+    def suspect_cap(self) -> float:
+        """Suspect blocks a producer may keep before it is refused."""
+        if self.max_suspect_blocks is not None:
+            return self.max_suspect_blocks
+        budget = self.max_reserved_blocks
+        return math.inf if budget is None else budget // 4
 
     @property
     def ready_limit(self) -> float:

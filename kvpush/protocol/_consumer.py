@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ._config import ConsumerConfig
-from ._endpoint import Endpoint, PeerView, Timer
+from ._endpoint import Endpoint, PeerView, Timer, _OpsKey, overdue_pairs
 from ._errors import LocalProtocolError
 from ._messages import (
     Abort,
@@ -29,7 +29,7 @@ from ._messages import (
     Withdraw,
     WriteFailed,
 )
-from ._outputs import Failed, Ready, Released, Send, StartRead
+from ._outputs import Cancel, Failed, Ready, Released, Send, StartRead
 from ._slots import SlotPool
 from ._tables import CONSUMER_PULL, CONSUMER_PUSH, CInput, CState, PeerState
 from ._timeline import OpStamps, Timeline, TimelineBuilder
@@ -38,6 +38,7 @@ from ._types import (
     BlockIds,
     FailureReason,
     Mode,
+    Pair,
     RejectReason,
     Role,
     Source,
@@ -46,8 +47,6 @@ from ._types import (
 )
 
 __all__ = ("Consumer", "RefuseReason", "Refused", "Reserved")
-
-Pair = tuple[Source, int]
 
 
 class RefuseReason(enum.Enum):
@@ -155,6 +154,11 @@ class _Reservation:
     #: ``SUSPECT_PROBE_CAP``).
     probes: int = 0
     timers: dict[Timer, float] = field(default_factory=dict)
+    #: Pull: the pairs with a read in flight, and when each is overdue (its
+    #: ``StartRead`` plus our ``op_bound``; ``inf``: its ``Cancel`` is out),
+    #: and their ``OVERDUE`` timer (apart: no state entry clears it).
+    reads: dict[Pair, float] = field(default_factory=dict)
+    op_timer: dict[Timer, float] = field(default_factory=dict)
 
 
 class Consumer(Endpoint):
@@ -288,7 +292,7 @@ class Consumer(Endpoint):
     ) -> RefuseReason | None:
         if view is not None and view.state is PeerState.FAILED:
             return RefuseReason.PEER_FAILED
-        if self._suspect.get(peer, 0) > self.config.max_suspect_blocks:
+        if self._suspect.get(peer, 0) > self.config.suspect_cap:
             self._counters["refused_suspect"] += 1
             return RefuseReason.PEER_SUSPECT
         if mode not in self.identity.modes or (
@@ -325,6 +329,23 @@ class Consumer(Endpoint):
             return False
         self._counters["keep_sent"] += 1
         self._out.append(Send(peer, Renew(transfer_id, 0)))
+        return True
+
+    def decline(self, now: float, transfer_id: str, peer: str) -> bool:
+        """This side will never reserve for ``transfer_id`` (its parameters
+        were refused, or its request failed before it reached us): tell
+        producer ``peer`` to release the ready KV now instead of at the end
+        of its hold. It is an ``Abort`` of epoch 0, which no reservation
+        has; harmless once a reservation was made (the producer ends only an
+        epoch that old). Returns whether it was sent (the handshake with
+        ``peer`` is done and no reservation of ours is live)."""
+        check_transfer_id(transfer_id)
+        view = self._peers.get(peer)
+        if transfer_id in self._live or view is None or view.state is not PeerState.READY:
+            self._counters["decline_not_sent"] += 1
+            return False
+        self._counters["declined"] += 1
+        self._out.append(Send(peer, Abort(transfer_id, 0)))
         return True
 
     def peer_gone(self, now: float, peer: str) -> int:
@@ -410,6 +431,8 @@ class Consumer(Endpoint):
         pair = self._valid_pair(rec, source, consumer_rank, "read")
         if rec is None or pair is None:
             return
+        if rec.reads.pop(pair, None) is not None:
+            self._arm_ops(rec.reads, rec.op_timer, (transfer_id, epoch))
         if rec.state not in (CState.READING, CState.READ_DRAIN) or pair in rec.settled:
             self._counters["read_result_late"] += 1
             return
@@ -560,7 +583,9 @@ class Consumer(Endpoint):
         if not self._step(now, rec, CInput.ANNOUNCE, remote=True):
             return
         assert rec.topology is not None
+        overdue = now + self.config.timing.op_bound
         for route in rec.topology.routes:
+            rec.reads[(route.source, route.consumer_rank)] = overdue
             self._out.append(
                 StartRead(
                     rec.transfer_id,
@@ -573,6 +598,7 @@ class Consumer(Endpoint):
                     rec.skip_tokens,
                 )
             )
+        self._arm_ops(rec.reads, rec.op_timer, (rec.transfer_id, rec.epoch))
 
     def _on_unready_message(self, now: float, peer: str, message: ControlMessage) -> None:
         pass
@@ -585,6 +611,19 @@ class Consumer(Endpoint):
                 # A handshake that finished after the deadline grants no lease.
                 late = now >= rec.deadline
                 self._step(now, rec, CInput.DEADLINE if late else CInput.PEER_READY)
+            elif (
+                rec.peer == peer
+                and rec.state is CState.DRAINING
+                and rec.instance not in (-1, view.hello.instance)
+            ):
+                # Registered with an instance that is gone (this is another):
+                # what it may still place is bounded from now, as for a
+                # suspect one below, not from a deadline sized for a prompt.
+                fresh = now + self.config.timing.max_transit + rec.op_bound
+                if fresh < rec.quarantine_at:
+                    self._counters["requarantined_on_restart"] += 1
+                    rec.quarantine_at = fresh
+                    self._arm_for(rec)
             elif rec.peer == peer and rec.state is CState.SUSPECT:
                 if view.hello.instance != rec.instance:
                     # A new instance: the one that may still write is gone.
@@ -609,8 +648,20 @@ class Consumer(Endpoint):
     # --- timers ---------------------------------------------------------------------
 
     def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
+        if type(key) is _OpsKey:
+            rec = self._res.get(key.key)  # type: ignore[call-overload]
+            return rec.op_timer if rec is not None else None
         rec = self._res.get(key)  # type: ignore[call-overload]
         return rec.timers if rec is not None else None
+
+    def _fire_overdue(self, now: float, key: Hashable) -> None:
+        """Reads still in flight ``op_bound`` after their ``StartRead``: ask
+        the adapter to cancel each; its ``read_done`` settles it as any other."""
+        rec = self._res[key]  # type: ignore[index]
+        for source, rank in overdue_pairs(rec.reads, now):
+            self._counters["read_cancel"] += 1
+            self._out.append(Cancel(rec.transfer_id, rec.epoch, rec.peer, source, rank))
+        self._arm_ops(rec.reads, rec.op_timer, key)
 
     def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
         rec = self._res[key]  # type: ignore[index]

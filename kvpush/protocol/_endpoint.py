@@ -17,9 +17,9 @@ from ._messages import Announce, ControlMessage, Extend, Heartbeat, Hello, Hello
 from ._outputs import Output, PeerFailed, PeerReady, Send
 from ._tables import PEER, PeerInput, PeerState
 from ._topology import Topology, compute_topology
-from ._types import FailureReason, Role
+from ._types import FailureReason, Pair, Role
 
-__all__ = ("Endpoint", "PeerView", "Timer", "check_compatible")
+__all__ = ("Endpoint", "PeerView", "Timer", "check_compatible", "overdue_pairs")
 
 
 class Timer(enum.Enum):
@@ -45,6 +45,9 @@ class Timer(enum.Enum):
     RETRY = "retry"
     #: Handshake: our hello went unanswered; send it again (``HELLO_SENT``).
     HELLO_RETRY = "hello_retry"
+    #: An op this side posted (producer: a write; consumer: a read) is still
+    #: in flight ``op_bound`` after it was handed over: ask for its cancel.
+    OVERDUE = "overdue"
 
 
 #: Hello fields that must be equal on both sides (after the fingerprint).
@@ -57,14 +60,27 @@ _EQUAL = ("num_kv_heads", "mla", "kv_groups", "max_transit")
 _BOUNDS = ("op_bound", "max_transit")
 
 
+def _side(hello: Hello) -> str:
+    return f"the {hello.role.value} {hello.engine_id!r}"
+
+
+def _differ(name: str, local: Hello, remote: Hello, mine: object, theirs: object) -> None:
+    """Raise for a field that differs, each value named by its side's role
+    and engine (producer first): the same text on both sides, so the peer
+    that receives it in a ``HelloReject`` reports each value correctly."""
+    sides = sorted(((local, mine), (remote, theirs)), key=lambda s: s[0].role is not Role.PRODUCER)
+    text = ", ".join(f"{v!r} on {_side(h)}" for h, v in sides)
+    raise IncompatiblePeerError(name, text)
+
+
 def _check_bounds(local: Hello, remote: Hello) -> None:
     for name in _BOUNDS:
-        for where, hello in (("here", local), ("there", remote)):
+        for hello in (local, remote):
             v = getattr(hello, name)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
             if not (ok and math.isfinite(v) and v > 0):
                 raise IncompatiblePeerError(
-                    name, f"{v!r} {where} is not a positive finite number of seconds"
+                    name, f"{v!r} on {_side(hello)} is not a positive finite number of seconds"
                 )
 
 
@@ -76,22 +92,18 @@ def check_compatible(local: Hello, remote: Hello) -> Topology:
     for ``op_bound`` and ``max_transit``, that is not a usable bound).
     """
     if local.version != remote.version:
-        raise IncompatiblePeerError(
-            "version", f"protocol {local.version} here, {remote.version} there"
-        )
+        _differ("version", local, remote, local.version, remote.version)
     if local.role is remote.role:
         raise IncompatiblePeerError("role", f"both sides are {local.role.value}s")
     _check_bounds(local, remote)
     mine, theirs = dict(local.fingerprint), dict(remote.fingerprint)
     for key in sorted(mine.keys() | theirs.keys()):
         if mine.get(key) != theirs.get(key):
-            raise IncompatiblePeerError(
-                key, f"{mine.get(key)!r} here, {theirs.get(key)!r} there"
-            )
+            _differ(key, local, remote, mine.get(key), theirs.get(key))
     for name in _EQUAL:
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
-            raise IncompatiblePeerError(name, f"{a!r} here, {b!r} there")
+            _differ(name, local, remote, a, b)
     if not set(local.modes) & set(remote.modes):
         raise IncompatiblePeerError("modes", "no transfer mode in common")
     producer, consumer = (local, remote) if local.role is Role.PRODUCER else (remote, local)
@@ -127,6 +139,22 @@ class _PeerKey:
 #: A heap entry: (when, seq, kind, key). A plain tuple, so the heap compares in C;
 #: ``seq`` is unique, so ``kind`` and ``key`` are never compared.
 _TimerEntry = tuple[float, int, Timer, Hashable]
+
+
+@dataclass(frozen=True, slots=True)
+class _OpsKey:
+    """The timer key of a record's in-flight ops (never equal to a record's key)."""
+
+    key: Hashable
+
+
+def overdue_pairs(ops: dict[Pair, float], now: float) -> list[Pair]:
+    """The pairs of ``ops`` (pair -> when it is overdue) due at ``now``, in
+    order; they are marked cancelled (``inf``: their cancel is asked for)."""
+    due = sorted(pair for pair, when in ops.items() if when <= now)
+    for pair in due:
+        ops[pair] = math.inf
+    return due
 
 
 class Endpoint:
@@ -187,6 +215,11 @@ class Endpoint:
                 key = entry[3]
                 if type(key) is _PeerKey:
                     self._fire_peer(now, entry[2], key.peer)
+                elif type(key) is _OpsKey:
+                    timers = self._timers_of(key)
+                    assert timers is not None  # it was valid
+                    del timers[Timer.OVERDUE]
+                    self._fire_overdue(now, key.key)
                 else:
                     self._fire(now, entry[2], key)
 
@@ -202,7 +235,21 @@ class Endpoint:
         )
         return timers is not None and timers.get(kind) == when
 
+    def _arm_ops(self, ops: dict[Pair, float], timers: dict[Timer, float], key: Hashable) -> None:
+        """Keep ``OVERDUE`` armed at the earliest op of ``ops`` (pair -> when
+        it is overdue) whose cancel was not asked for yet."""
+        when = min(ops.values(), default=math.inf)
+        if when == math.inf:
+            timers.clear()
+        elif timers.get(Timer.OVERDUE) != when:
+            self._arm(timers, Timer.OVERDUE, when, _OpsKey(key))
+
     def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
+        """A record's armed timers (its ops' timer for an ``_OpsKey``)."""
+        raise NotImplementedError
+
+    def _fire_overdue(self, now: float, key: Hashable) -> None:
+        """``OVERDUE`` of record ``key`` fired: cancel its overdue ops."""
         raise NotImplementedError
 
     def _fire(self, now: float, kind: Timer, key: Hashable) -> None:

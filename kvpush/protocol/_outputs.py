@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from ._messages import Completion, ControlMessage
 from ._timeline import Timeline
 from ._topology import Route, Topology
-from ._types import BlockIds, FailureReason
+from ._types import BlockIds, FailureReason, Source
 
 __all__ = (
     "Action",
+    "Cancel",
     "Event",
     "Failed",
     "Output",
@@ -89,7 +90,25 @@ class StartRead:
     skip_tokens: int = 0
 
 
-Action = Send | StartWrite | StartRead
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """An op this side posted (producer: a :class:`StartWrite`; consumer: a
+    :class:`StartRead`) of (``transfer_id``, ``epoch``) on the route from
+    ``source`` to ``consumer_rank`` is still in flight ``op_bound`` after it
+    was handed over: stop it. Report it as any op, once: failed
+    (``write_failed``, ``read_done(ok=False)``) only when the transport
+    confirms that nothing of it can move any more (cancelled, or its
+    connection torn down), or done if it finished first. A report of failure
+    on a timer's guess breaks I1: the peer reuses the blocks on it."""
+
+    transfer_id: str
+    epoch: int
+    peer: str
+    source: Source
+    consumer_rank: int
+
+
+Action = Send | StartWrite | StartRead | Cancel
 
 
 # --- events ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Sequence
 from operator import attrgetter
 
 from ._config import ProducerConfig
-from ._endpoint import Endpoint, Timer
+from ._endpoint import Endpoint, Timer, _OpsKey, overdue_pairs
 from ._errors import LocalProtocolError
 from ._layout import KVLayout
 from ._messages import (
@@ -32,8 +32,8 @@ from ._messages import (
     Withdraw,
     WriteFailed,
 )
-from ._outputs import ReleaseOutcome, Send, SourceReleased, StartWrite
-from ._tables import PRODUCER, PInput, PState
+from ._outputs import Cancel, ReleaseOutcome, Send, SourceReleased, StartWrite
+from ._tables import PRODUCER, PeerState, PInput, PState
 from ._timeline import OpStamps, Timeline, TimelineBuilder
 from ._transfer import Pair, Reg, Transfer, Writes, seen
 from ._types import (
@@ -48,6 +48,7 @@ from ._types import (
 )
 
 __all__ = ("Producer",)
+
 
 def _lease_timer(rec: Transfer) -> float:
     """WAIT_KV's timer: the next renewal, or the end of the lease."""
@@ -113,6 +114,7 @@ _OUTCOMES: dict[PInput, ReleaseOutcome] = {
     PInput.SETTLED_FAILED: ReleaseOutcome.FAILED,
     PInput.QUARANTINE: ReleaseOutcome.EXPIRED,
     PInput.HOLD_EXPIRED: ReleaseOutcome.EXPIRED,
+    PInput.PEER_GONE: ReleaseOutcome.DELIVERED,
 }
 
 
@@ -145,6 +147,8 @@ class Producer(Endpoint):
         super().__init__(config.identity, config.timing)
         self.config = config
         self._tx: dict[str, Transfer] = {}
+        #: The instance of each consumer's last handshake.
+        self._instances: dict[str, int] = {}
         self._held_blocks = 0
 
     # --- queries ------------------------------------------------------------
@@ -542,7 +546,31 @@ class Producer(Endpoint):
         self._step(now, rec, PInput.REGISTER, remote=True)
 
     def _on_peer_ready(self, now: float, peer: str) -> None:
-        pass
+        hello = self._peers[peer].hello
+        assert hello is not None
+        old = self._instances.get(peer)
+        self._instances[peer] = hello.instance
+        if old is not None and old != hello.instance:
+            # Another instance of the consumer: the old process, which alone
+            # could re-register for what it was delivered, is gone.
+            self._release_delivered(now, peer)
+
+    def peer_gone(self, now: float, peer: str) -> int:
+        """The caller knows that consumer ``peer``'s process is gone (its pod
+        was deleted): the KV it was delivered, held for a re-registration
+        that can no longer come, is released now instead of at the end of
+        its hold. Returns the number of transfers released."""
+        view = self._peers.get(peer)
+        if view is not None and view.state is not PeerState.DISCONNECTED:
+            self.peer_lost(now, peer)
+        return self._release_delivered(now, peer)
+
+    def _release_delivered(self, now: float, peer: str) -> int:
+        gone = [r for r in self._tx.values() if r.peer == peer and r.state is PState.DELIVERED]
+        for rec in gone:
+            self._counters["delivered_released_peer_gone"] += 1
+            self._step(now, rec, PInput.PEER_GONE, remote=True)
+        return len(gone)
 
     def _on_peer_down(self, now: float, peer: str, reason: FailureReason, detail: str) -> None:
         for rec in list(self._tx.values()):
@@ -554,8 +582,23 @@ class Producer(Endpoint):
     # --- timers ---------------------------------------------------------------------
 
     def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
+        if type(key) is _OpsKey:
+            rec = self._tx.get(key.key)  # type: ignore[call-overload]
+            return rec.op_timer if rec is not None else None
         rec = self._tx.get(key)  # type: ignore[call-overload]
         return rec.timers if rec is not None else None
+
+    def _fire_overdue(self, now: float, key: Hashable) -> None:
+        """Writes still in flight ``op_bound`` after their ``StartWrite``:
+        ask the adapter to cancel each. Its report (``write_failed`` once
+        the transport confirms, or ``write_done``) settles it as any other."""
+        rec = self._tx[key]  # type: ignore[index]
+        reg = rec.reg
+        assert reg is not None
+        for source, rank in overdue_pairs(rec.inflight, now):
+            self._counters["write_cancel"] += 1
+            self._out.append(Cancel(rec.transfer_id, reg.epoch, reg.peer, source, rank))
+        self._arm_ops(rec.inflight, rec.op_timer, rec.transfer_id)
 
     def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
         rec = self._tx[key]  # type: ignore[index]
@@ -646,7 +689,8 @@ class Producer(Endpoint):
         if rec is None or not self._in_flight(rec, epoch) or pair not in rec.inflight:
             self._counters["write_result_unknown"] += 1
             return
-        rec.inflight.discard(pair)
+        del rec.inflight[pair]
+        self._arm_ops(rec.inflight, rec.op_timer, rec.transfer_id)
         if detail:
             self._failed_write(rec, epoch, pair, detail)
         else:
@@ -754,7 +798,7 @@ class Producer(Endpoint):
             if not rec.partial:
                 notice = Completion(tid, epoch, route.source, route.consumer_rank)
                 rec.committed.add(pair)
-            rec.inflight.add(pair)
+            rec.inflight[pair] = now + self.config.timing.op_bound
             self._out.append(
                 StartWrite(
                     tid,
@@ -770,6 +814,7 @@ class Producer(Endpoint):
                     reg.stage,
                 )
             )
+        self._arm_ops(rec.inflight, rec.op_timer, tid)
 
     def _epoch_over(self, rec: Transfer) -> None:
         """The live epoch's writes are over: forget their progress."""

@@ -283,6 +283,7 @@ class PInput(_Enum):
     QUARANTINE = "quarantine"  #: timer (pull): no read can still be running
     ABORT = "abort"  #: local: abort the transfer
     PEER_ABORT = "peer_abort"  #: remote: the consumer aborted
+    PEER_GONE = "peer_gone"  #: proof the consumer process is gone (it restarted; peer_gone)
     PEER_ABORT_NEWER = "peer_abort_newer"  #: remote (pull): a newer epoch than the lent one aborted
     PEER_DOWN = "peer_down"  #: the consumer's connection was lost
     EXPIRED = "expired"  #: timer: forget this record
@@ -368,6 +369,7 @@ PRODUCER: Mapping[tuple[PState, PInput], PState] = {
     (_P.DELIVERED, _Q.ABORT): _P.RELEASED,
     (_P.DELIVERED, _Q.PEER_ABORT): _P.RELEASED,
     (_P.DELIVERED, _Q.PEER_DOWN): _P.DELIVERED,
+    (_P.DELIVERED, _Q.PEER_GONE): _P.RELEASED,
     (_P.DRAINING, _Q.REGISTER): _P.DRAINING,
     (_P.DRAINING, _Q.WRITE_SETTLED): _P.DRAINING,
     (_P.DRAINING, _Q.KV_MORE): _P.DRAINING,

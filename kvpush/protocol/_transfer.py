@@ -15,11 +15,9 @@ from ._endpoint import Timer
 from ._outputs import ReleaseOutcome
 from ._tables import PState
 from ._timeline import TimelineBuilder
-from ._types import BlockIds, Mode, Source
+from ._types import BlockIds, Mode, Pair
 
 __all__ = ("EVERY_ATTEMPT", "Pair", "Reg", "Transfer", "Writes", "seen")
-
-Pair = tuple[Source, int]
 
 
 class Writes(enum.Enum):
@@ -71,7 +69,9 @@ class Transfer:
     partial: bool = False
     reg: Reg | None = None
     pending: Reg | None = None
-    inflight: set[Pair] = field(default_factory=set)
+    #: Push: the pairs with a write in flight, and when each is overdue (its
+    #: ``StartWrite`` plus our ``op_bound``; ``inf``: its ``Cancel`` is out).
+    inflight: dict[Pair, float] = field(default_factory=dict)
     #: Push: per pair, the source blocks (per KV group) the live epoch's
     #: writes posted so far; each increment starts where the last ended.
     sent: dict[Pair, tuple[int, ...]] = field(default_factory=dict)
@@ -94,6 +94,8 @@ class Transfer:
     quarantine_at: float = 0.0
     expires_at: float = 0.0
     timers: dict[Timer, float] = field(default_factory=dict)
+    #: The ``OVERDUE`` timer of ``inflight`` (apart: no state entry clears it).
+    op_timer: dict[Timer, float] = field(default_factory=dict)
 
 
 def seen(rec: Transfer, epoch: int) -> None:

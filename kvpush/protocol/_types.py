@@ -13,6 +13,7 @@ __all__ = (
     "BlockIds",
     "FailureReason",
     "Mode",
+    "Pair",
     "RejectReason",
     "Role",
     "Source",
@@ -97,6 +98,10 @@ class Source(NamedTuple):
 
     tp: int
     pp: int = 0
+
+
+#: A (producer source, consumer rank) pair: one route's ops and completion.
+Pair = tuple[Source, int]
 
 
 def clip_detail(detail: str) -> str:

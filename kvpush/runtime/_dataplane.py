@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvpush.protocol import (
+    Cancel,
     Codec,
     Completion,
     HeadSlice,
@@ -193,6 +194,10 @@ class DataPlane:
         self.posted = 0
         self.bytes_posted = 0
         self.failed_posts = 0
+        #: Cancels asked of transports (the core's ``Cancel``), and those a
+        #: transport could not confirm.
+        self.cancels = 0
+        self.cancels_unconfirmed = 0
         #: Staged transfers (docs/layouts.md): on for the ranks whose layout
         #: has a staging pool, given a copier for their memory.
         self.stager = Stager(copier, {i: r.layout for i, r in self.ranks.items()}, costs)
@@ -218,6 +223,14 @@ class DataPlane:
     def submit(self, action: StartWrite | StartRead, after: Fence | None = None) -> None:
         """Queue an action, to be posted once ``after`` is done; O(1), never blocks."""
         self._inbox.put(("op", action) if after is None else ("fenced", (action, after)))
+
+    def cancel(self, cancel: Cancel) -> None:
+        """Queue the core's ``Cancel`` of an op it handed over ``op_bound``
+        ago; O(1). The op is then reported failed only once nothing of it
+        can move: dropped before it was posted, or cancelled by its
+        transport (``cancel(handle)`` returned True). A transport that
+        cannot confirm leaves it posted (logged): a guess would break I1."""
+        self._inbox.put(("cancel", cancel))
 
     def add_peer(self, peer: PeerRanks) -> None:
         """Queue a peer's rank metadata (a new instance replaces the old)."""
@@ -438,6 +451,9 @@ class DataPlane:
             elif kind == "fenced":
                 assert isinstance(item, tuple)
                 self._fenced.append(item)
+            elif kind == "cancel":
+                assert isinstance(item, Cancel)
+                self._cancel(item, results)
             else:
                 assert isinstance(item, (StartWrite, StartRead))
                 self._post_or_fail(item, results)
@@ -457,6 +473,39 @@ class DataPlane:
                 results.append(OpResult(action, why))
             else:
                 return
+
+    def _cancel(self, cancel: Cancel, results: list[Result]) -> None:
+        """One op past its bound: drop it if it waits for its fence, else
+        ask its transport to cancel it (its result comes from the next poll);
+        nothing if it settled meanwhile."""
+
+        def match(a: StartWrite | StartRead) -> bool:
+            return (
+                (a.transfer_id, a.epoch) == (cancel.transfer_id, cancel.epoch)
+                and a.route.source == cancel.source
+                and a.route.consumer_rank == cancel.consumer_rank
+            )
+
+        for entry in self._fenced:
+            if match(entry[0]):
+                self._fenced.remove(entry)
+                results.append(OpResult(entry[0], "cancelled before it was posted"))
+                return
+        for (index, handle), posted in self._posted.items():
+            if not match(posted[0]):
+                continue
+            self.cancels += 1
+            stop = getattr(self.ranks[index].transport, "cancel", None)
+            if stop is None or not stop(handle):
+                self.cancels_unconfirmed += 1
+                log.error(
+                    "op %s epoch %d to %s is past its bound and its transport cannot "
+                    "confirm a cancel: it stays posted (the transfer holds its blocks)",
+                    cancel.transfer_id,
+                    cancel.epoch,
+                    cancel.peer,
+                )
+            return
 
     def _post_or_fail(self, action: StartWrite | StartRead, results: list[Result]) -> None:
         error = self._post(action)

@@ -25,6 +25,7 @@ import anyio
 import msgpack
 
 from kvpush.protocol import (
+    Cancel,
     ConfigError,
     Consumer,
     ControlMessage,
@@ -86,6 +87,8 @@ class DataPlaneLike(Protocol):
     def stop(self, timeout: float = 5.0) -> None: ...
 
     def submit(self, action: StartWrite | StartRead) -> None: ...
+
+    def cancel(self, cancel: Cancel) -> None: ...
 
     def add_peer(self, peer: PeerRanks) -> None: ...
 
@@ -349,6 +352,9 @@ class EndpointRuntime(Generic[E]):
                 if self.dataplane is None:
                     raise KvpushError("a transfer was planned but there is no data plane")
                 self.dataplane.submit(out)
+            elif isinstance(out, Cancel):
+                if self.dataplane is not None:
+                    self.dataplane.cancel(out)
             else:
                 if isinstance(out, PeerReady) and self.dataplane is not None:
                     self._add_peer(out.peer)
@@ -604,6 +610,14 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
             if self.endpoint.peer(peer).state is PeerState.DISCONNECTED:
                 self.endpoint.connect(now, peer)
             sent = self.endpoint.keep(now, transfer_id, peer)
+        self.kick()
+        return sent
+
+    def decline(self, transfer_id: str, peer: str) -> bool:
+        """Tell producer ``peer`` to release the ready KV of ``transfer_id`` now
+        (:meth:`Consumer.decline`); False, nothing sent, without a handshake."""
+        with self.lock:
+            sent = self.endpoint.decline(self.now(), transfer_id, peer)
         self.kick()
         return sent
 

@@ -113,6 +113,12 @@ class Transport(Protocol):
         """Release every resource (memory registrations, connections)."""
         ...
 
+    # Optional: ``cancel(handle) -> bool``. Stop a posted transfer; True once
+    # nothing of it can move any more (its ``Completed``, an error or done if
+    # it finished first, comes from the next poll); False if the transport
+    # cannot confirm that (it then stays posted). The data plane calls it for
+    # the core's ``Cancel`` (an op past its ``op_bound``).
+
 
 @runtime_checkable
 class PreppedTransport(Transport, Protocol):

@@ -425,6 +425,11 @@ class ShmTransport:
             self._queued.popleft()
             self._posted[handle] = agent
 
+    def cancel(self, handle: int) -> bool:
+        """A write here copies its bytes when posted: nothing of it can move
+        any more, and the next poll reports it as it went."""
+        return True
+
     def poll(self) -> tuple[list[Completed], list[Notice]]:
         """Settled transfers (in handle order) and the notices that arrived.
         Never blocks. Raises :class:`TransportError` (and fails the transport)

@@ -64,6 +64,9 @@ class FaultInjector:
         for r in victims:
             fleet.fail(r, "prefill_died")
         fleet.links.fail_all(p.nic)
+        # The router's connections to p break now (its legs in flight fail):
+        # it takes p out of service and probes it (kvpush.routing.Health).
+        fleet.prefill_down(p.index, "connection lost")
 
         def detected() -> None:
             for d in fleet.decodes:

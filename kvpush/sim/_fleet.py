@@ -30,7 +30,7 @@ from kvpush.protocol import (
     StartRead,
     StartWrite,
 )
-from kvpush.routing import Ledger
+from kvpush.routing import Health, Ledger
 
 from ._events import EventLoop
 from ._instances import DecodeInstance, PrefillInstance
@@ -108,6 +108,10 @@ class Fleet:
         self.owner: list[dict[int, tuple[str, int]]] = []
         #: The router's loads (no capacity: it does not know the pools).
         self.ledger = Ledger(scenario.fleet.prefill, scenario.fleet.decode)
+        #: The router's view of which prefills answer (``kvpush router``'s
+        #: health: down on a refused or broken leg, probed back with backoff).
+        self.health = Health(scenario.fleet.prefill)
+        self._health_rng = random.Random(f"{seed}/health")
         self._reads: dict[tuple[str, int], list[StartRead]] = {}
         kv_blocks = hw.kv_blocks(self.model)
         self.prefills = [
@@ -175,21 +179,66 @@ class Fleet:
 
     def arrive(self, r: Request) -> None:
         """Route ``r`` as ``kvpush router`` does (:mod:`kvpush.routing`): both
-        instances are charged its blocks until their leg ends. Like that router,
-        this one does not know which instances are alive."""
+        instances are charged its blocks until their leg ends. Like that
+        router, this one skips the prefills it saw fail (:class:`Health`):
+        a leg that finds its prefill dead is refused, the prefill is down
+        until a probe answers, and the request is tried again on another
+        prefill with a new transfer id (its decode leg, which had sent the
+        client nothing, cancelled and rebuilt). With every prefill down the
+        request is refused at once (``no_prefill_up``, the router's 503)."""
         choice = self.ledger.acquire(self.model.blocks(r.input_tokens))
-        assert choice is not None  # no capacity: there is always a pick
+        if choice is None:  # no capacity: only when every prefill is down
+            self._refuse(r, "no_prefill_up")
+            return
         r.prefill, r.decode = choice.prefill, choice.decode
-        p = self.prefills[r.prefill]
+        p, attempt = self.prefills[r.prefill], r.attempt
         leg = self.hop + self.frontend + self.tokenize_s(r.input_tokens)
-        self.loop.after(leg, lambda: p.submit(r) if p.alive else self.fail(r, "prefill_died"))
+        self.loop.after(leg, lambda: self._prefill_leg(p, r, attempt))
         if not self.sequential:
             self._dispatch_decode(r, leg)
 
+    def _prefill_leg(self, p: PrefillInstance, r: Request, attempt: int) -> None:
+        if r.ended or r.attempt != attempt:
+            return
+        if p.alive:
+            p.submit(r)
+            return
+        # Connection refused: the router marks p down and tries again.
+        self.prefill_down(p.index, "connection refused")
+        blocks = self.model.blocks(r.input_tokens)
+        self.ledger.release_prefill(r.prefill, blocks)
+        self.ledger.release_decode(r.decode, blocks)
+        self.decodes[r.decode].requests.pop(r.tid, None)
+        r.attempt += 1
+        r.tid = f"{r.tid.split('.')[0]}.{r.attempt}"
+        self.count("router_retries")
+        self.loop.after(self.hop, lambda: self.arrive(r))
+
+    def prefill_down(self, index: int, why: str) -> None:
+        """The router saw prefill ``index`` fail: down, probed with backoff."""
+        if self.health.up(index):
+            when = self.health.failed(index, self.loop.now, self._health_rng.random(), why)
+            self.ledger.mark("prefill", index, up=False)
+            self.loop.at(when, lambda: self._probe(index))
+
+    def _probe(self, index: int) -> None:
+        if self.prefills[index].alive:
+            self.health.answered(index)
+            self.ledger.mark("prefill", index, up=True)
+        else:
+            when = self.health.probe_failed(index, self.loop.now, self._health_rng.random())
+            self.loop.at(when, lambda: self._probe(index))
+
+    def _refuse(self, r: Request, reason: str) -> None:
+        r.failed = reason
+        r.ended = True
+        self.ended += 1
+        self.count(f"failed_{reason}")
+
     def _dispatch_decode(self, r: Request, delay: float) -> None:
-        d = self.decodes[r.decode]
+        d, attempt = self.decodes[r.decode], r.attempt
         d.requests[r.tid] = r
-        self.loop.after(delay, lambda: self.admit(d, r))
+        self.loop.after(delay, lambda: self.admit(d, r) if r.attempt == attempt else None)
 
     def prefill_chunk(self, p: PrefillInstance, r: Request, part: tuple[int, ...]) -> None:
         """Progressive: ``part``, the whole blocks so far, is computed."""
@@ -208,6 +257,8 @@ class Fleet:
                 p.pool.give(blocks)
             return
         self.ledger.release_prefill(p.index, self.model.blocks(r.input_tokens))  # P answered
+        self.health.served(p.index)
+        self.ledger.mark("prefill", p.index, up=True)
         p.producer.kv_ready(self.loop.now, r.tid, (blocks,))
         self.touch_p(p)
         if self.sequential:  # the proxy hears P answer, then calls D

@@ -38,6 +38,8 @@ class Request:
     increments: int = 0
     failed: str = ""
     ended: bool = False
+    #: Router attempts before this one (a prefill leg refused: tried elsewhere).
+    attempt: int = 0
 
     @property
     def ttft(self) -> float:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from kvpush.protocol import Consumer, Producer
 
 from ._invariants import InvariantChecker
-from ._world import Op, World
+from ._world import World
 
 __all__ = ("clone_world",)
 
@@ -58,6 +58,8 @@ def _consumer(c: Consumer) -> Consumer:
             done=set(r.done),
             settled=set(r.settled),
             timers=dict(r.timers),
+            reads=dict(r.reads),
+            op_timer=dict(r.op_timer),
             timeline=_timeline(r.timeline),
         )
         for k, r in c._res.items()
@@ -74,7 +76,8 @@ def _producer(p: Producer) -> Producer:
     new._tx = {
         k: _shallow(
             t,
-            inflight=set(t.inflight),
+            inflight=dict(t.inflight),
+            op_timer=dict(t.op_timer),
             sent=dict(t.sent),
             committed=set(t.committed),
             owe=set(t.owe),
@@ -117,7 +120,7 @@ def clone_world(w: World) -> World:
         consumer=_consumer(w.consumer),
         free_dst=list(w.free_dst),
         free_src=list(w.free_src),
-        ops=[Op(op.action, op.posted_at, op.landed, op.unbounded, op.orphan) for op in w.ops],
+        ops=[copy.copy(op) for op in w.ops],
         notices=list(w.notices),
         live=dict(w.live),
         kv=dict(w.kv),

@@ -363,24 +363,17 @@ class InvariantChecker:
         held_blocks: int,
         *,
         producer_alive: bool = True,
-        hung: set[Key] | frozenset[Key] = frozenset(),
     ) -> None:
         """I3: once inputs stop and every timer fired, nothing is held (a dead
-        producer's own memory excepted), but what the transfers of ``hung``
-        ops hold: no timer declares an op dead, so its initiator, and a
-        consumer whose blocks it may still land in, wait for it."""
-        stuck = {t for t, _ in hung}
-        kept = 0
-        for (tid, epoch), rec in self.res.items():
-            if rec.ended is None and tid in stuck:
-                kept += len(rec.blocks)
-            elif rec.ended is None:
-                self.fail(f"I3: reservation {(tid, epoch)} never released")
-        held = {t: b for t, b in self.src_held.items() if t not in stuck}
-        if held and producer_alive:
-            self.fail(f"I3: source blocks still held for {sorted(held)}")
-        kept_src = sum(len(b) for t, b in self.src_held.items() if t in stuck)
-        if reserved_blocks != kept or (producer_alive and held_blocks != kept_src):
+        producer's own memory excepted). No exception for an op that never
+        reports: its initiator cancels it past its bound, and the transfer
+        ends as for any failed op (issue 28)."""
+        for key, rec in self.res.items():
+            if rec.ended is None:
+                self.fail(f"I3: reservation {key} never released")
+        if self.src_held and producer_alive:
+            self.fail(f"I3: source blocks still held for {sorted(self.src_held)}")
+        if reserved_blocks != 0 or (producer_alive and held_blocks != 0):
             self.fail(f"I3: endpoints still count {reserved_blocks}/{held_blocks} blocks")
 
 

@@ -3,7 +3,8 @@
 :class:`ProtocolMachine` drives one producer instance (TP x PP ranks) and one
 consumer instance (TP ranks) through a :class:`World`: reservations,
 preemptions with re-reservation, aborts from both sides, KV readiness, message
-delivery/drop/duplication/reordering/delay, writes that complete, fail or hang,
+delivery/drop/duplication/reordering/delay, writes and reads that complete,
+fail or hang (a hung op ends only when its initiator's cancel is confirmed),
 a producer that dies, and time. The invariant checker fires after every step;
 the teardown stops inputs, lets every timer fire and checks that nothing leaked.
 :class:`FaultFreeMachine` removes the faults and additionally checks liveness:
@@ -129,12 +130,17 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     # --- the transport ------------------------------------------------------------
 
-    def _pick(self, i: int, posted: bool | None, landed: bool | None) -> int | None:
+    def _pick(
+        self, i: int, posted: bool | None, landed: bool | None, cancel: bool | None = None
+    ) -> int | None:
+        """The ``i``-th op (modulo) of those that match; a hung op only
+        when asked for one whose cancel is out (``cancel=True``)."""
         ops = [
             k
             for k, op in enumerate(self.world.ops)
             if (posted is None or (op.posted_at is not None) == posted)
             and (landed is None or op.landed == landed)
+            and (op.cancel if cancel else not op.hung)
         ]
         return ops[i % len(ops)] if ops else None
 
@@ -173,6 +179,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         k = self._pick(i, posted=True, landed=False)
         if k is not None:
             self.world.hang(k)
+
+    @rule(i=_index)
+    def cancel(self, i: int) -> None:
+        """The transport confirms a cancel its initiator asked for (a hung
+        op, or one racing it: it may also still land, or fail)."""
+        k = self._pick(i, posted=None, landed=False, cancel=True)
+        if k is not None:
+            self.world.cancel(k)
 
     @precondition(lambda self: bool(self.world.notices))
     @rule(i=_index)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpush.protocol import (
+    Cancel,
     Completion,
     Consumer,
     ConsumerConfig,
@@ -86,6 +87,13 @@ class Op:
     #: process resumes it (it lands within its bound, or never; the bound of
     #: one its stall had unbounded counts from the death, as ``posted_at``).
     orphan: bool = False
+    #: It never reports: it neither lands nor fails, until its initiator
+    #: cancels it (a stuck NIXL request; the cancel, or the agent's teardown,
+    #: is the only thing that ends it).
+    hung: bool = False
+    #: Its initiator asked for its cancel (``Cancel``): the transport may
+    #: still finish it first, or confirm the cancel (``World.cancel``).
+    cancel: bool = False
 
 
 @dataclass
@@ -126,7 +134,7 @@ class World:
         self.source_outcomes: dict[str, ReleaseOutcome] = {}
         #: Transfers that lost a lease-bearing frame to the stall rule.
         self.stall_losses: set[str] = set()
-        #: (transfer, epoch) of ops that hung: never settled, nobody told.
+        #: (transfer, epoch) of ops that hung (reported only once cancelled).
         self.hung: set[tuple[str, int]] = set()
         #: Suspect reservations after the last pump (see :meth:`pump`).
         self.suspect: frozenset[tuple[str, int]] = frozenset()
@@ -255,6 +263,8 @@ class World:
         self.ops = [
             op for op in self.ops if op.posted_at is not None or isinstance(op.action, StartRead)
         ]
+        # A write that hung dies with its process: nothing of it moves again.
+        self.ops = [op for op in self.ops if not (op.hung and isinstance(op.action, StartWrite))]
         now = self.clock.now
         for op in self.ops:
             if isinstance(op.action, StartWrite):
@@ -388,7 +398,7 @@ class World:
         """A posted op moves its bytes; a write's notice reaches the consumer
         later (``notify``), its initiator is told later (``ack``)."""
         op = self.ops[index]
-        assert op.posted_at is not None and not op.landed
+        assert op.posted_at is not None and not op.landed and not op.hung
         self.checker.landed(self.clock.now, op.action)
         if isinstance(op.action, StartWrite):
             op.landed = True
@@ -407,17 +417,30 @@ class World:
     def fail(self, index: int) -> None:
         """A posted op fails (it may have moved some bytes first)."""
         op = self.ops.pop(index)
-        assert op.posted_at is not None and not op.landed
+        assert op.posted_at is not None and not op.landed and not op.hung
         self.checker.landed(self.clock.now, op.action)
         self._report(op, ok=False)
 
     def hang(self, index: int) -> None:
-        """A posted op never completes and nobody is told. Its initiator
-        waits for it for ever (no timer declares an op dead), and so does a
-        consumer holding the blocks it targets (``SUSPECT``)."""
-        op = self.ops.pop(index)
-        assert not op.landed
+        """A posted op never completes on its own and nobody is told (no
+        transport timeout either). Its initiator asks for its cancel
+        ``op_bound`` after handing it over (``Cancel``); until the transport
+        confirms that (:meth:`cancel`), the consumer holds the blocks it
+        targets (``SUSPECT``)."""
+        op = self.ops[index]
+        assert op.posted_at is not None and not op.landed and not op.hung
+        op.hung = True
         self.hung.add((op.action.transfer_id, op.action.epoch))
+
+    def cancel(self, index: int) -> None:
+        """The transport confirms the cancel its initiator asked for: nothing
+        of the op moves any more (some bytes may have landed before); its
+        initiator is told it failed."""
+        op = self.ops.pop(index)
+        assert op.cancel and not op.landed
+        if op.posted_at is not None:
+            self.checker.landed(self.clock.now, op.action)
+        self._report(op, ok=False)
 
     def notify(self, index: int) -> None:
         """The consumer polls one completion notice."""
@@ -485,7 +508,7 @@ class World:
         dead = [
             op
             for op in self.ops
-            if not (op.landed or op.unbounded or op.posted_at is None)
+            if not (op.landed or op.unbounded or op.hung or op.posted_at is None)
             and now - op.posted_at > bound
         ]
         for op in dead:
@@ -502,20 +525,24 @@ class World:
     def excused(self) -> set[tuple[str, int]]:
         """Reservations that may outlive their quarantine: suspect ones (a
         write of a connected producer may still land), and those with an op
-        that may land later (its initiator stalled) or never settles."""
+        that may land later (its initiator stalled) or that hung (it ends
+        when its cancel is confirmed, at any later move)."""
         held = {(t, e) for t, e, st in self.consumer.reservations() if st is CState.SUSPECT}
         late = {
             (op.action.transfer_id, op.action.epoch)
             for op in self.ops
             # unbounded, or a read the adapter has not posted (nor reported) yet
-            if op.unbounded or (op.posted_at is None and isinstance(op.action, StartRead))
+            if op.unbounded
+            or op.hung
+            or (op.posted_at is None and isinstance(op.action, StartRead))
         }
-        return held | late | self.hung
+        return held | late
 
     def quiesce(self, limit: int = 10_000) -> None:
         """Stop new inputs: deliver, post, land and acknowledge everything in
-        order, then let every timer fire. Checks I3 (nothing leaked, but what
-        a hung op holds). A dead producer's loss is noticed in the end (its
+        order, confirm every cancel asked for, then let every timer fire.
+        Checks I3: nothing is held, hung ops included (their initiators
+        cancel them). A dead producer's loss is noticed in the end (its
         connection closes)."""
         if not self.producer_alive:
             # Its connection closes, and (the world knows) it is gone.
@@ -526,13 +553,17 @@ class World:
                 self.deliver(0)
             elif self.notices:
                 self.notify(0)
-            elif any(op.posted_at is None for op in self.ops):
-                self.post(next(i for i, op in enumerate(self.ops) if op.posted_at is None))
-            elif any(not op.landed for op in self.ops):
-                self.land(next(i for i, op in enumerate(self.ops) if not op.landed))
-            elif self.ops:
-                self.ack(0)
-            elif self._probing_only() or not self.advance_to_next():
+            elif (i := self._next_op()) is not None:
+                op = self.ops[i]
+                if op.posted_at is None:
+                    self.post(i)
+                elif op.landed:
+                    self.ack(i)
+                elif op.hung:
+                    self.cancel(i)
+                else:
+                    self.land(i)
+            elif not self.advance_to_next():
                 break
         else:
             raise AssertionError("the world did not quiesce")
@@ -540,19 +571,12 @@ class World:
             self.consumer.reserved_blocks,
             self.producer.held_blocks if self.producer_alive else 0,
             producer_alive=self.producer_alive,
-            hung=self.hung,
         )
 
-    def _probing_only(self) -> bool:
-        """All that is left are suspect reservations waiting on a hung op, whose
-        probes go on for ever (nothing answers them): nothing will change."""
-        stuck = {t for t, _ in self.hung}
-        left = self.consumer.reservations()
-        return (
-            bool(left)
-            and all(st is CState.SUSPECT and t in stuck for t, _, st in left)
-            and (not self.producer_alive or self.producer.next_deadline() is None)
-        )
+    def _next_op(self) -> int | None:
+        """The first op that can move now: any but a hung one whose cancel
+        is not asked for yet (time must pass for that)."""
+        return next((i for i, op in enumerate(self.ops) if op.cancel or not op.hung), None)
 
     # --- output routing -----------------------------------------------------------
 
@@ -591,6 +615,16 @@ class World:
         elif isinstance(out, StartRead):
             self.checker.consumer_read(out)
             self.ops.append(Op(out))
+        elif isinstance(out, Cancel):
+            kind = StartWrite if me == P else StartRead
+            for op in self.ops:
+                a = op.action
+                if (
+                    isinstance(a, kind)
+                    and (a.transfer_id, a.epoch) == (out.transfer_id, out.epoch)
+                    and (a.route.source, a.route.consumer_rank) == (out.source, out.consumer_rank)
+                ):
+                    op.cancel = True
         elif isinstance(out, Ready):
             self.ready.add(out.transfer_id)
             self.live.pop(out.transfer_id, None)

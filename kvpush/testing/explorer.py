@@ -59,6 +59,7 @@ class _Node:
     stops_left: int = 0  # unbounded producer stops still to come
     stopped: bool = False  # a stop happened (liveness is not promised after one)
     increments: bool = False  # a source may come in two increments
+    hangs_left: int = 0  # ops that may still hang (never report until cancelled)
 
 
 def _clone(node: _Node) -> _Node:
@@ -73,6 +74,7 @@ def _clone(node: _Node) -> _Node:
         node.stops_left,
         node.stopped,
         node.increments,
+        node.hangs_left,
     )
 
 
@@ -138,7 +140,7 @@ def _digest(node: _Node) -> bytes:
     state = (
         round(w.clock.now, 9),
         sorted(repr((m.src, m.dst, m.message)) for m in w.net.queue),
-        sorted(repr((op.action, op.landed, op.unbounded)) for op in w.ops),
+        sorted(repr((op.action, op.landed, op.unbounded, op.hung, op.cancel)) for op in w.ops),
         sorted(repr(n) for n in w.notices),
         sorted(map(_record_key, w.consumer._res.values())),
         sorted(map(_record_key, w.producer._tx.values())),
@@ -151,6 +153,7 @@ def _digest(node: _Node) -> bytes:
         node.stalls_left,
         node.stops_left,
         node.stopped,
+        node.hangs_left,
         sorted(node.reserved),
         sorted(w.consumer._suspect.items()),
         sorted(node.rereserve),
@@ -193,9 +196,15 @@ def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
     # of "its initiator is told" and "its notice is polled" (both imply it
     # landed). Landing later is never safer, so nothing is lost for I1.
     for i, op in enumerate(w.ops):
+        if op.cancel and not op.landed:  # the transport confirms the cancel
+            yield f"cancel {op.action!r}", partial(_cancel, index=i)  # local
+        if op.hung:
+            continue
         yield f"ack {op.action!r}", partial(_ack, index=i)  # local
         if not op.landed:
             yield f"notify {op.action!r}", partial(_land_and_notify, index=i)  # local
+            if node.hangs_left:
+                yield f"hang {op.action!r}", partial(_hang, index=i)
     for i, notice in enumerate(w.notices):
         yield f"notify {notice!r}", partial(_notify, index=i)  # local
 
@@ -263,6 +272,21 @@ def _stop(node: _Node) -> None:
     node.stopped = True
 
 
+def _hang(node: _Node, index: int) -> None:
+    """The op never reports: it waits for its initiator's cancel (``OVERDUE``
+    fires once nothing else can happen, as every timer here)."""
+    w = node.world
+    if w.ops[index].posted_at is None:
+        w.post(index)
+    if index < len(w.ops) and w.ops[index].posted_at is not None:
+        w.hang(index)
+    node.hangs_left -= 1
+
+
+def _cancel(node: _Node, index: int) -> None:
+    node.world.cancel(index)
+
+
 def _land(node: _Node, index: int) -> None:
     w = node.world
     if w.ops[index].posted_at is None:
@@ -296,6 +320,7 @@ def explore(
     stalls: int = 0,
     stops: int = 0,
     increments: int = 1,
+    hangs: int = 0,
     limit: int = 5_000_000,
     progress: Callable[[int], None] | None = None,
     reduce: bool = True,
@@ -311,7 +336,10 @@ def explore(
     and its writes land whenever it resumes (I1 must hold with no bound on
     the stall; a transfer may fail). ``increments=2``: a source may come in
     two increments (progressive push: the first block, then the rest), in any
-    order with everything else."""
+    order with everything else. ``hangs``: that many ops may hang (never
+    report on their own): each must be cancelled by its initiator once its
+    bound passes, and every block must still come back (I3, no exception);
+    a transfer whose op hung may fail."""
     if config is None:
         config = WorldConfig(
             producer_tp=2,
@@ -336,6 +364,7 @@ def explore(
         stalls,
         stops,
         increments=increments > 1,
+        hangs_left=hangs,
     )
     visited = {_digest(root)}
     stack: list[tuple[_Node, list[str]]] = [(root, [])]
@@ -374,7 +403,7 @@ def explore(
     return ExploreResult(len(visited), terminal, transitions, depth)
 
 
-_LOCAL = ("deliver ", "ack ", "notify ")
+_LOCAL = ("deliver ", "ack ", "notify ", "cancel ")
 _HANDSHAKE = (Hello, HelloReject)
 
 
@@ -420,7 +449,7 @@ def _check_end(node: _Node, names: tuple[str, ...], path: list[str]) -> None:
     w = node.world
     try:
         w.checker.check_quiescent(w.consumer.reserved_blocks, w.producer.held_blocks)
-        missing = set(names) - w.ready - w.stall_losses
+        missing = set(names) - w.ready - w.stall_losses - {t for t, _ in w.hung}
         if missing and not node.stopped:
             raise AssertionError(f"I5: {sorted(missing)} never became ready; failed {w.failed}")
     except AssertionError as exc:
@@ -464,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
         help="2: a source may come in two increments (progressive push)",
     )
     parser.add_argument(
+        "--hangs",
+        type=int,
+        default=0,
+        help="ops that never report until their initiator cancels them",
+    )
+    parser.add_argument(
         "--staging-pages",
         type=int,
         default=0,
@@ -492,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         stalls=args.stalls,
         stops=args.stops,
         increments=args.increments,
+        hangs=args.hangs,
         reduce=not args.no_reduction,
         progress=lambda n: print(f"{n} states...", file=sys.stderr, flush=True),
     )

@@ -187,9 +187,11 @@ def test_different_block_sizes_are_refused_naming_block_size(
         print(f"{route}: counter deltas {json.dumps(moved)}")
         bad = mismatches(batch, want, got)
         assert not bad, f"{route}: {len(bad)} of {len(batch)} differ:\n" + "\n".join(bad)
-        # Whichever side saw the other's Hello first names the field; the decode logs it.
+        # Whichever side saw the other's Hello first names the field; the decode
+        # logs each side's own value (before issue 28 it logged the prefill's
+        # text "'64' here, '32' there" as its own: swapped).
         log = d.proc.log.read_text(errors="replace")
-        lines = [f"block_size: '{a}' here, '{b}' there" for a, b in ((here, there), (there, here))]
-        assert any(line in log for line in lines), f"the decode's log says neither of {lines}"
+        line = f"block_size: '{there}' on the producer"
+        assert line in log and f"'{here}' on the consumer" in log, f"the decode's log lacks {line}"
         assert moved["decode.external_kv_transfer"] == 0, moved
         assert moved["prefill.transfer_bytes_total"] == moved["decode.transfer_bytes_total"] == 0

@@ -10,6 +10,8 @@ metadata, clear), sample one token per scheduled request, update_from_output.
 
 from __future__ import annotations
 
+import collections
+import logging
 import socket
 import time
 import warnings
@@ -27,9 +29,9 @@ with warnings.catch_warnings():
     from vllm.v1.request import RequestStatus
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
-from kvpush.protocol import ConfigError, Mode
+from kvpush.protocol import ConfigError, Mode, PeerState
 from kvpush_vllm import TransferParams
-from kvpush_vllm._contract import NIXL_PREFILL_LEG
+from kvpush_vllm._contract import NIXL_PREFILL_LEG, release_params
 from kvpush_vllm.connector import KvpushConnector
 
 CONNECTOR, MODULE = "KvpushConnector", "kvpush_vllm.connector"
@@ -69,6 +71,23 @@ class Engine:
         self.answers: dict[str, Any] = {}
         self.sent: set[str] = set()
         self.recved: set[str] = set()
+        # The scheduler side's counters, kept as vLLM drains them every step.
+        self._counts: collections.Counter[str] = collections.Counter()
+        sched = self.connector._sched
+        assert sched is not None
+        real = sched.stats
+
+        def stats() -> dict[str, Any]:
+            out = real()
+            self._counts.update({k: v for k, v in out.items() if k[1:2] != ":" or k[0] == "r"})
+            return out
+
+        sched.stats = stats  # type: ignore[method-assign]
+
+    def counts(self) -> dict[str, int]:
+        """The scheduler side's counters (``r:<reason>``, ``declined``, ...) so far."""
+        self.connector.get_kv_connector_stats()
+        return dict(self._counts)
 
     def step(self, monkeypatch: pytest.MonkeyPatch) -> Any:
         out = self.scheduler.schedule()
@@ -329,9 +348,20 @@ def test_stats_and_prometheus_hooks(make_scheduler: Any) -> None:
     stats = stats.aggregate(KvpushConnector.build_kv_connector_stats({"posted": 1, "notices": 3}))
     assert stats.reduce() == {
         "posted": 3, "failed": 0, "bytes": 10, "notices": 3, "staged": 0, "scattered": 0,
-        "refused_params": 0,
+        "declined": 0, "decline_unsent": 0, "release_legs": 0, "refused_params": 0,
     }  # fmt: skip
     assert not stats.is_empty()
+    # Refused legs by reason: summed, and in total.
+    refused = KvpushConnector.build_kv_connector_stats({"r:untrusted": 2, "declined": 1})
+    refused = refused.aggregate(
+        KvpushConnector.build_kv_connector_stats({"r:untrusted": 1, "r:malformed": 1})
+    )
+    reduced = refused.reduce()
+    assert (reduced["refused_params"], reduced["refused_untrusted"], reduced["declined"]) == (
+        4,
+        3,
+        1,
+    )
     # A gauge keeps its latest value; phase durations gather.
     gauges = KvpushConnector.build_kv_connector_stats({"g:reserved": 4, "h:load": [0.01]})
     gauges = gauges.aggregate(
@@ -475,8 +505,151 @@ def test_vllm_router_default_mode_pull_with_a_sealed_answer_and_an_injection_ref
         out = decode.step(monkeypatch)
         assert out.num_scheduled_tokens.get(req_id) == len(other)  # at once: no remote KV
     run([decode], monkeypatch, lambda: {"cmpl-i1-0-a", "cmpl-i2-0-b"} <= set(decode.finished))
+    # One error naming the fix; the second refusal of that kind only counted.
     refused = [r.getMessage() for r in caplog.records if "params refused" in r.getMessage()]
-    assert len(refused) == 2 and all("seal is missing or wrong" in m for m in refused), refused
+    assert len(refused) == 1 and "seal is missing or wrong" in refused[0], refused
+    assert decode.counts().get("r:untrusted") == 2
+
+
+def test_a_trusted_leg_the_decode_refuses_tells_the_prefill_to_release_at_once(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 28, item 4: a decode that refuses a leg it trusts (here an
+    ambiguous one: kvpush's object and NIXL's flags) computes the request
+    itself and tells the prefill, which releases the KV within a round trip,
+    not at its ``kv_hold_timeout`` (20 s here, 30 s by default)."""
+    hold = {"kv_hold_timeout": 20.0}
+    port = free_port()
+    prefill = Engine(make_scheduler, make_worker_connector, "kv_producer", {**hold, "port": port})
+    decode = Engine(make_scheduler, make_worker_connector, "kv_consumer", hold)
+    peer = f"127.0.0.1:{port}"
+    # A first handoff: the decode's handshake with the prefill is done.
+    prompt = list(range(3, 43))
+    d_first = TransferParams("kvp-first", "decode", Mode.PUSH, peer).to_params()
+    decode.scheduler.add_request(make_request("d1", prompt, 2, d_first))
+    p_first = TransferParams("kvp-first", "prefill", Mode.PUSH, "d").to_params()
+    prefill.scheduler.add_request(make_request("p1", prompt, 1, p_first))
+    run([prefill, decode], monkeypatch, lambda: "d1" in decode.recved and "p1" in prefill.sent)
+    # The prefill computed the next request's KV and holds it for its decode.
+    other = list(range(60, 100))
+    p_params = TransferParams("kvp-refused", "prefill", Mode.PUSH, "d").to_params()
+    prefill.scheduler.add_request(make_request("p2", other, 1, p_params))
+    run([prefill], monkeypatch, lambda: "p2" in prefill.finished)
+    assert prefill.connector.has_pending_push_work() and "p2" not in prefill.sent
+    ambiguous = {
+        **TransferParams("kvp-refused", "decode", Mode.PUSH, peer).to_params(),
+        "do_remote_prefill": True,
+    }
+    decode.scheduler.add_request(make_request("d2", other, 2, ambiguous))
+    out = decode.step(monkeypatch)
+    assert out.num_scheduled_tokens.get("d2") == len(other)  # computed here, at once
+    started = time.monotonic()
+    run([prefill, decode], monkeypatch, lambda: "p2" in prefill.sent, timeout=5.0)
+    assert time.monotonic() - started < 2.0
+    stats = decode.counts()
+    assert (stats.get("r:ambiguous"), stats.get("declined")) == (1, 1), stats
+    run([prefill], monkeypatch, lambda: "p2" not in prefill.scheduler.requests)
+
+
+def test_a_refusal_is_logged_once_naming_its_fix_then_counted(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 28's setup: a decode with neither ``secret`` nor ``allowed_peers``
+    gets unsealed legs. The first refusal of each class is an ERROR that names
+    the fix; the others are counted (``vllm:kvpush_params_refused_total`` by
+    reason) and logged at DEBUG, not an ERROR per request. The prefill an
+    untrusted leg names is never dialed, not even to tell it."""
+    import prometheus_client
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    caplog.set_level(logging.DEBUG, logger="kvpush.vllm")
+    decode = Engine(make_scheduler, make_worker_connector, "kv_consumer", {"allowed_peers": []})
+    peer = f"127.0.0.1:{free_port()}"
+    ids = []
+    for i in range(3):
+        leg = TransferParams(f"kvp-u{i}", "decode", Mode.PUSH, peer).to_params()
+        ids.append(f"u{i}")
+        decode.scheduler.add_request(
+            make_request(ids[-1], list(range(100 + 50 * i, 140 + 50 * i)), 1, leg)
+        )
+    bad = {"kvpush": {"transfer_id": "bad id!", "role": "decode", "mode": "push", "peer": peer}}
+    for i in range(2):
+        ids.append(f"m{i}")
+        decode.scheduler.add_request(
+            make_request(ids[-1], list(range(300 + 50 * i, 340 + 50 * i)), 1, bad)
+        )
+    run([decode], monkeypatch, lambda: set(ids) <= set(decode.finished))
+    refused = [r for r in caplog.records if "kv_transfer_params refused" in r.getMessage()]
+    errors = [r.getMessage() for r in refused if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and len(refused) == 5, [r.getMessage() for r in refused]
+    (untrusted,) = [m for m in errors if "(untrusted)" in m]
+    assert (
+        "set `secret` on the router and both instances, or list the prefill in `allowed_peers`"
+        in untrusted
+    )
+    (malformed,) = [m for m in errors if "(malformed)" in m]
+    assert "transfer_id must be" in malformed and "docs/contract.md" in malformed
+    stats = decode.counts()
+    assert (stats.get("r:untrusted"), stats.get("r:malformed")) == (3, 2), stats
+    assert "declined" not in stats and "decline_unsent" not in stats  # untrusted: never told
+    rt = decode.connector._sched._running()[0].runtime  # type: ignore[union-attr]
+    with rt.lock:
+        assert rt.endpoint.peer(peer).state is PeerState.DISCONNECTED  # never dialed
+    logger = PrometheusStatLogger(decode.config, engine_indexes=[0])
+    logger.kv_connector_prom.observe({"r:untrusted": 3, "r:malformed": 2}, 0)
+    text = prometheus_client.generate_latest().decode()
+    counted = [
+        line for line in text.splitlines() if line.startswith("vllm:kvpush_params_refused_total{")
+    ]
+    assert any('reason="untrusted"' in line and line.endswith(" 3.0") for line in counted), counted
+
+
+def test_a_release_leg_frees_the_prefills_kv_at_once_and_is_a_plain_request(
+    make_scheduler: Any,
+    make_request: Any,
+    make_worker_connector: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode leg failed at the decode's API layer, so its engine never saw
+    it: ``kvpush router`` sends the prefill a release (``release_params``) in a
+    one-token request. The prefill releases the transfer's KV at once and
+    serves the request as a plain one (it holds nothing for it). A release
+    not sealed under the prefill's secret is refused and releases nothing."""
+    sealed = {"secret": SECRET, "kv_hold_timeout": 20.0}
+    prefill = Engine(
+        make_scheduler, make_worker_connector, "kv_producer", {"port": free_port(), **sealed}
+    )
+    tid = "kvp-" + "7" * 32
+    p_params = TransferParams(tid, "prefill", Mode.PUSH, "d").to_params()
+    prefill.scheduler.add_request(make_request("p1", list(range(3, 43)), 1, p_params))
+    run([prefill], monkeypatch, lambda: "p1" in prefill.finished)
+    assert prefill.connector.has_pending_push_work()  # held for its decode
+    # Forged: sealed under another cluster's secret. Served plain, nothing released.
+    forged = release_params(tid, "push", b"another-cluster-secret-32-bytes!")
+    prefill.scheduler.add_request(make_request("rel-forged", [5], 1, forged))
+    run([prefill], monkeypatch, lambda: "rel-forged" in prefill.finished)
+    for _ in range(5):
+        prefill.step(monkeypatch)
+    assert "p1" not in prefill.sent and "p1" in prefill.scheduler.requests
+    # The router's release.
+    release = release_params(tid, "push", SECRET.encode())
+    prefill.scheduler.add_request(make_request("rel-1", [5], 1, release))
+    started = time.monotonic()
+    run([prefill], monkeypatch, lambda: "p1" in prefill.sent and "rel-1" in prefill.finished, 5.0)
+    assert time.monotonic() - started < 2.0
+    assert prefill.answers["rel-1"] is None and prefill.answers["rel-forged"] is None
+    run([prefill], monkeypatch, lambda: "p1" not in prefill.scheduler.requests)
+    assert not {"rel-1", "rel-forged"} & (set(prefill.scheduler.requests) | prefill.sent)
+    assert not prefill.connector.has_pending_push_work()
+    stats = prefill.counts()
+    assert (stats.get("release_legs"), stats.get("r:release_unsealed")) == (1, 1), stats
 
 
 def test_stats_reach_vllm_s_prometheus_registry(
