@@ -951,24 +951,3 @@ def test_a_completion_counts_only_from_the_reservations_producer() -> None:
     assert isinstance(ready, Ready)
     assert ready.timeline.notice_seen == (((Source(0), 0), 1.5),)
     assert ready.timeline.write_done == (((Source(0), 0), 2.0),)
-
-
-def test_a_draining_epoch_of_a_restarted_producer_needs_no_full_quarantine() -> None:
-    """Issue 28: a reservation withdrawn while its producer restarted waited
-    for deadline + max_transit + op_bound (42 s with the defaults). A
-    handshake with another instance proves the registered one gone: what it
-    may still place is bounded from that proof."""
-    c = make()
-    e = reserve(c)
-    c.preempt(1.0, "t1")
-    assert Withdraw("t1", e) in [s.message for s in c.drain() if isinstance(s, Send)]
-    assert c.reservations() == [("t1", e, CState.DRAINING)]
-    c.peer_lost(2.0, P)
-    c.connect(2.0, P)
-    c.receive(2.0, P, Identity(P, 2).hello(Role.PRODUCER, P_OP_BOUND, TIMING.max_transit))
-    c.drain()
-    fresh = 2.0 + TIMING.max_transit + P_OP_BOUND
-    assert c.next_deadline() == fresh < QUARANTINE
-    c.handle_timer(fresh)
-    assert [type(o) for o in c.drain()] == [Released]
-    assert c.stats()["requarantined_on_restart"] == 1

@@ -611,19 +611,6 @@ class Consumer(Endpoint):
                 # A handshake that finished after the deadline grants no lease.
                 late = now >= rec.deadline
                 self._step(now, rec, CInput.DEADLINE if late else CInput.PEER_READY)
-            elif (
-                rec.peer == peer
-                and rec.state is CState.DRAINING
-                and rec.instance not in (-1, view.hello.instance)
-            ):
-                # Registered with an instance that is gone (this is another):
-                # what it may still place is bounded from now, as for a
-                # suspect one below, not from a deadline sized for a prompt.
-                fresh = now + self.config.timing.max_transit + rec.op_bound
-                if fresh < rec.quarantine_at:
-                    self._counters["requarantined_on_restart"] += 1
-                    rec.quarantine_at = fresh
-                    self._arm_for(rec)
             elif rec.peer == peer and rec.state is CState.SUSPECT:
                 if view.hello.instance != rec.instance:
                     # A new instance: the one that may still write is gone.

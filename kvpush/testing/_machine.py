@@ -214,14 +214,18 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(picks=st.lists(_index, min_size=1, max_size=12))
     def progress(self, picks: list[int]) -> None:
         """Several forward moves in a row (deliver, post, land, acknowledge,
-        poll a notice), each chosen among all that are possible, so that runs
-        get deep without one rule call per move."""
+        poll a notice, confirm a hung op's cancel), each chosen among all
+        that are possible, so that runs get deep without one rule call per
+        move."""
         w = self.world
         for i in picks:
             moves: list[tuple[str, int]] = [("deliver", k) for k in range(len(w.net.queue))]
             moves += [("notify", k) for k in range(len(w.notices))]
             for k, op in enumerate(w.ops):
-                if op.posted_at is None:
+                if op.hung:  # it moves only by its confirmed cancel
+                    if op.cancel:
+                        moves.append(("cancel", k))
+                elif op.posted_at is None:
                     moves.append(("post", k))
                 elif not op.landed:
                     moves.append(("land", k))
