@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,10 +40,31 @@ ENGINE_ENV = {
 }
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_LOW = range(10000, max(_ephemeral_start(), 14000))
+_PORTS = iter(random.Random(os.getpid()).sample(_LOW, 4000))
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port *below* the kernel's ephemeral range. A port from ``bind(0)`` is
+    an ephemeral one: between this pick and the engine's bind, any outgoing
+    connection (ZMQ, torch.distributed, UCX) of an engine starting beside it may
+    take it (a CI run lost a whole cluster to ``EADDRINUSE`` so). Ports below the
+    range are only ever taken by an explicit bind; each is handed out once."""
+    for port in _PORTS:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @dataclass
