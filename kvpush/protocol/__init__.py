@@ -55,6 +55,15 @@ from ._messages import (
     Withdraw,
     WriteFailed,
 )
+from ._options import (
+    Spec,
+    add_arguments,
+    build_options,
+    check_options,
+    from_arguments,
+    option,
+    option_specs,
+)
 from ._outputs import (
     Action,
     Cancel,
@@ -156,6 +165,7 @@ __all__ = (
     "SlotPool",
     "Source",
     "SourceReleased",
+    "Spec",
     "Staging",
     "StartRead",
     "StartWrite",
@@ -166,7 +176,13 @@ __all__ = (
     "UnsupportedVersionError",
     "Withdraw",
     "WriteFailed",
+    "add_arguments",
+    "build_options",
     "check_compatible",
+    "check_options",
     "compute_topology",
+    "from_arguments",
     "layer_regions",
+    "option",
+    "option_specs",
 )
