@@ -20,7 +20,7 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks scripts
+	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm kvpush_router tests benchmarks scripts
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
@@ -67,7 +67,7 @@ device-check-cpu: $(STAMP)
 	UCX_NET_DEVICES=lo $(PY) scripts/device_check.py --cpu
 
 lint: $(STAMP)
-	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks scripts
+	$(PY) -m ruff check kvpush kvpush_nixl kvpush_vllm kvpush_router tests benchmarks scripts
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -90,7 +90,7 @@ test-fast: $(FAST_STAMP)
 
 # Lint, types and the fast tests (what to run before a commit).
 check: $(FAST_STAMP)
-	$(FAST_PY) -m ruff check kvpush kvpush_nixl kvpush_vllm tests benchmarks scripts
+	$(FAST_PY) -m ruff check kvpush kvpush_nixl kvpush_vllm kvpush_router tests benchmarks scripts
 	$(FAST_PY) -m mypy
 	$(MAKE) test-fast
 

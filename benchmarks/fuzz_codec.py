@@ -40,6 +40,7 @@ import time
 import timeit
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -245,27 +246,27 @@ def random_notice(rng: random.Random) -> Completion:
     )
 
 
+#: The scalars :func:`wire_value` draws from, one maker each.
+_SCALARS: tuple[Callable[[random.Random], Any], ...] = (
+    lambda rng: None,
+    lambda rng: rng.random() < 0.5,
+    lambda rng: rng.choice([0, 1, -1, 1023, 1024, 1 << 16, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]),
+    lambda rng: rng.randint(-(1 << 63), (1 << 64) - 1),
+    lambda rng: rng.choice(
+        [0.0, -0.0, -1.0, 1.5, float("nan"), float("inf"), -float("inf"), 1e308]
+    ),
+    lambda rng: rng.choice(["", "push", "pull", "producer", "consumer", "released", "x" * 257]),
+    lambda rng: text(rng, 0, 10),
+    lambda rng: rng.randbytes(rng.choice([0, 1, 3, 4, 8, 12])),
+    lambda rng: rng.randbytes(4) * 2,  # a duplicate block id
+)
+
+
 def wire_value(rng: random.Random, depth: int = 0) -> Any:
     """Any msgpack value, biased toward the edges the codec checks."""
     r = rng.randrange(12 if depth < 2 else 9)
-    if r == 0:
-        return None
-    if r == 1:
-        return rng.random() < 0.5
-    if r == 2:
-        return rng.choice([0, 1, -1, 1023, 1024, 1 << 16, (1 << 63) - 1, 1 << 63, (1 << 64) - 1])
-    if r == 3:
-        return rng.randint(-(1 << 63), (1 << 64) - 1)
-    if r == 4:
-        return rng.choice([0.0, -0.0, -1.0, 1.5, float("nan"), float("inf"), -float("inf"), 1e308])
-    if r == 5:
-        return rng.choice(["", "push", "pull", "producer", "consumer", "released", "x" * 257])
-    if r == 6:
-        return text(rng, 0, 10)
-    if r == 7:
-        return rng.randbytes(rng.choice([0, 1, 3, 4, 8, 12]))
-    if r == 8:
-        return rng.randbytes(4) * 2  # a duplicate block id
+    if r < len(_SCALARS):
+        return _SCALARS[r](rng)
     if r in (9, 10):
         return [wire_value(rng, depth + 1) for _ in range(rng.choice([0, 1, 2, 2, 3, 6]))]
     return {text(rng, 0, 3): wire_value(rng, depth + 1)}
@@ -355,18 +356,10 @@ def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
     for _ in range(rng.choice([1, 1, 1, 2, 3])):
         op = rng.randrange(9)
         pos = rng.randrange(len(buf)) if buf else 0
-        if op == 0 and buf:
-            buf[pos] ^= 1 << rng.randrange(8)
-        elif op == 1 and buf:
-            buf[pos] = rng.choice([0, 1, 0x7F, 0x80, 0xC0, 0xC1, 0xFF, rng.randrange(256)])
-        elif op == 2:
-            del buf[rng.randrange(len(buf) + 1) :]
-        elif op == 3:
-            buf += rng.randbytes(rng.choice([1, 2, 4, 32]))
-        elif op == 4:
-            buf[pos:pos] = rng.randbytes(rng.randint(1, 5))
-        elif op == 5:
-            del buf[pos : pos + rng.randint(1, 5)]
+        if op in (0, 1) and buf:
+            _poke(rng, buf, pos, op)
+        elif op in (2, 3, 4, 5):
+            _resize(rng, buf, pos, op)
         elif op == 6:
             other = rng.choice(pool)
             cut = rng.randrange(len(other) + 1)
@@ -376,6 +369,26 @@ def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
         elif buf:
             buf[pos:pos] = buf[pos : pos + rng.randint(1, 8)]
     return bytes(buf)
+
+
+def _poke(rng: random.Random, buf: bytearray, pos: int, op: int) -> None:
+    """Flip a bit (op 0) or set an edge byte (op 1) at ``pos``."""
+    if op == 0:
+        buf[pos] ^= 1 << rng.randrange(8)
+    else:
+        buf[pos] = rng.choice([0, 1, 0x7F, 0x80, 0xC0, 0xC1, 0xFF, rng.randrange(256)])
+
+
+def _resize(rng: random.Random, buf: bytearray, pos: int, op: int) -> None:
+    """Truncate (2), append (3), insert at ``pos`` (4) or cut at ``pos`` (5)."""
+    if op == 2:
+        del buf[rng.randrange(len(buf) + 1) :]
+    elif op == 3:
+        buf += rng.randbytes(rng.choice([1, 2, 4, 32]))
+    elif op == 4:
+        buf[pos:pos] = rng.randbytes(rng.randint(1, 5))
+    else:
+        del buf[pos : pos + rng.randint(1, 5)]
 
 
 def make_input(

@@ -54,45 +54,7 @@ def run(transfers: int, hang: float, window: int, seed: int, faults: float) -> d
                 refused += 1
                 faulted.add(tid)
             w.kv_ready(tid)
-        live = sorted(w.live)
-        r = rng.random()
-        if w.net.queue and r < 0.45:
-            i = rng.randrange(len(w.net.queue))
-            f = rng.random()
-            if f < faults:
-                faulted.add(getattr(w.net.queue[i].message, "transfer_id", ""))
-                w.net.drop(i)
-            elif f < 2 * faults:
-                w.net.duplicate(i)
-            else:
-                w.deliver(i)
-        elif w.ops and r < 0.8:
-            i = rng.randrange(len(w.ops))
-            op = w.ops[i]
-            if op.cancel and not op.landed and (op.hung or rng.random() < 0.5):
-                w.cancel(i)
-            elif op.hung:
-                w.advance(0.05)
-            elif op.posted_at is None:
-                w.post(i)
-                if i < len(w.ops) and w.ops[i].posted_at is not None and rng.random() < hang:
-                    faulted.add(op.action.transfer_id)
-                    w.hang(i)
-            elif op.landed:
-                w.ack(i)
-            else:
-                w.land(i)
-        elif w.notices and r < 0.9:
-            w.notify(rng.randrange(len(w.notices)))
-        elif live and r < 0.905:
-            tid = rng.choice(live)
-            faulted.add(tid)
-            if rng.random() < 0.5 and w.preempt(tid):
-                w.reserve(tid)
-            else:
-                w.abort_consumer(tid)
-        else:
-            w.advance(rng.choice((0.001, 0.01, 0.05)))
+        _step(w, rng, hang, faults, faulted)
         for e in w.events:
             if isinstance(e, Ready):  # the request decodes, then frees its blocks
                 w.free_dst.extend(b for g in e.blocks for b in g)
@@ -119,6 +81,53 @@ def run(transfers: int, hang: float, window: int, seed: int, faults: float) -> d
         "steps": steps,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def _step(w: World, rng: random.Random, hang: float, faults: float, faulted: set[str]) -> None:
+    """One random move of the driver: a frame, an op, a notice, a fault or time."""
+    live = sorted(w.live)
+    r = rng.random()
+    if w.net.queue and r < 0.45:
+        i = rng.randrange(len(w.net.queue))
+        f = rng.random()
+        if f < faults:
+            faulted.add(getattr(w.net.queue[i].message, "transfer_id", ""))
+            w.net.drop(i)
+        elif f < 2 * faults:
+            w.net.duplicate(i)
+        else:
+            w.deliver(i)
+    elif w.ops and r < 0.8:
+        _op_step(w, rng, rng.randrange(len(w.ops)), hang, faulted)
+    elif w.notices and r < 0.9:
+        w.notify(rng.randrange(len(w.notices)))
+    elif live and r < 0.905:
+        tid = rng.choice(live)
+        faulted.add(tid)
+        if rng.random() < 0.5 and w.preempt(tid):
+            w.reserve(tid)
+        else:
+            w.abort_consumer(tid)
+    else:
+        w.advance(rng.choice((0.001, 0.01, 0.05)))
+
+
+def _op_step(w: World, rng: random.Random, i: int, hang: float, faulted: set[str]) -> None:
+    """Move op ``i`` on: cancel, post (maybe hang), land or acknowledge it."""
+    op = w.ops[i]
+    if op.cancel and not op.landed and (op.hung or rng.random() < 0.5):
+        w.cancel(i)
+    elif op.hung:
+        w.advance(0.05)
+    elif op.posted_at is None:
+        w.post(i)
+        if i < len(w.ops) and w.ops[i].posted_at is not None and rng.random() < hang:
+            faulted.add(op.action.transfer_id)
+            w.hang(i)
+    elif op.landed:
+        w.ack(i)
+    else:
+        w.land(i)
 
 
 def main() -> None:

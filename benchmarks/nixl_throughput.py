@@ -271,6 +271,54 @@ def nixl_version() -> str:
 # --- the target process --------------------------------------------------------------
 
 
+def _arrivals(transport: NixlTransport | None, raw: Any) -> list[tuple[bytes, int]]:
+    """Poll the agent measured (``transport``, else the raw agent): the
+    notices that arrived, stamped (``time.monotonic_ns``)."""
+    if transport is not None:
+        _, notices = transport.poll()
+        if not notices:
+            return []
+        now = time.monotonic_ns()
+        return [(n.payload, now) for n in notices]
+    got = raw.get_new_notifs()
+    if not got:
+        return []
+    now = time.monotonic_ns()
+    return [(bytes(m), now) for ms in got.values() for m in ms]
+
+
+def _target_command(
+    msg: tuple[Any, ...],
+    conn: Connection,
+    transport: NixlTransport,
+    raw: Any,
+    mem: Any,
+    polls_kvpush: bool,
+) -> bool | None:
+    """Run one command of the initiator: whether the kvpush agent is polled
+    from now on, or None once told to stop."""
+    cmd = msg[0]
+    if cmd == "polls":
+        polls_kvpush = msg[1] == "kvpush"
+        conn.send(("ok",))
+    elif cmd == "peer":
+        transport.add_peer(msg[1])
+        raw.add_remote_agent(msg[2])
+        conn.send(("ok",))
+    elif cmd == "zero":
+        mem.fill(0)
+        conn.send(("ok",))
+    elif cmd == "crc":
+        rows = np.asarray(msg[1], dtype=np.uint64).reshape(-1, 3)
+        conn.send(("crc", crc_rows(mem, rows)))
+    elif cmd == "stop":
+        conn.send(("stopped",))
+        return None
+    else:
+        raise RuntimeError(f"target: unknown command {cmd!r}")
+    return polls_kvpush
+
+
 def target_main(conn: Connection, block: int, pool: int, raw_name: str, nap: float) -> None:
     """Consumer side: a NixlTransport and a raw agent over one buffer; the
     agent of the variant being measured is polled all the time (after a poll
@@ -293,17 +341,7 @@ def target_main(conn: Connection, block: int, pool: int, raw_name: str, nap: flo
         polls_kvpush = True  # which agent the variant being measured polls
         spins = 0
         while True:
-            arrived: list[tuple[bytes, int]] = []
-            if polls_kvpush:
-                _, notices = transport.poll()
-                if notices:
-                    now = time.monotonic_ns()
-                    arrived = [(n.payload, now) for n in notices]
-            else:
-                got = raw.get_new_notifs()
-                if got:
-                    now = time.monotonic_ns()
-                    arrived = [(bytes(m), now) for ms in got.values() for m in ms]
+            arrived = _arrivals(transport if polls_kvpush else None, raw)
             for payload, now in arrived:
                 conn.send(("notice", payload, now))
             spins += 1
@@ -314,36 +352,25 @@ def target_main(conn: Connection, block: int, pool: int, raw_name: str, nap: flo
             if conn.poll():
                 msg = conn.recv()  # EOFError if the initiator is gone: exit
                 idle_until = time.monotonic() + TARGET_IDLE_S
-                cmd = msg[0]
-                if cmd == "polls":
-                    polls_kvpush = msg[1] == "kvpush"
-                    conn.send(("ok",))
-                elif cmd == "peer":
-                    transport.add_peer(msg[1])
-                    raw.add_remote_agent(msg[2])
-                    conn.send(("ok",))
-                elif cmd == "zero":
-                    mem.fill(0)
-                    conn.send(("ok",))
-                elif cmd == "crc":
-                    rows = np.asarray(msg[1], dtype=np.uint64).reshape(-1, 3)
-                    conn.send(("crc", crc_rows(mem, rows)))
-                elif cmd == "stop":
-                    conn.send(("stopped",))
+                polls = _target_command(msg, conn, transport, raw, mem, polls_kvpush)
+                if polls is None:
                     return
-                else:
-                    raise RuntimeError(f"target: unknown command {cmd!r}")
+                polls_kvpush = polls
             elif time.monotonic() > idle_until:
                 raise TimeoutError(f"target: no command for {TARGET_IDLE_S:.0f} s, giving up")
     except (EOFError, BrokenPipeError):  # the initiator is gone
         return
     finally:
-        if raw is not None and reg is not None:
-            try:
-                raw.deregister_memory(reg)
-            except Exception as exc:  # teardown: report, do not mask the real error
-                log(f"target: deregistering raw memory failed: {exc!r}")
+        _deregister(raw, reg)
         transport.close()
+
+
+def _deregister(raw: Any, reg: Any) -> None:
+    if raw is not None and reg is not None:
+        try:
+            raw.deregister_memory(reg)
+        except Exception as exc:  # teardown: report, do not mask the real error
+            log(f"target: deregistering raw memory failed: {exc!r}")
 
 
 # --- the initiator ---------------------------------------------------------------------

@@ -119,14 +119,7 @@ class Soak:
         assert p("fill", vsrc, vsalt) == ("ok",) and p("fill", bsrc, bsalt) == ("ok",)
         dst_of = {t: dst for t, dst in ((victim, vdst), (bystander, bdst)) if self._reserve(t, dst)}
         pair_hit = fault in ("stall-prefill", "restart-prefill")
-        if fault == "abort" and victim in dst_of and d("abort", victim) == ("aborted", True):
-            self._settle(victim, dst_of.pop(victim), released=True)
-        if fault == "abort-in-flight":
-            d("pause", True)
-        if fault == "stall-prefill":
-            os.kill(p.proc.pid, signal.SIGSTOP)
-            time.sleep(self.rng.uniform(0.1, 0.6))
-            os.kill(p.proc.pid, signal.SIGCONT)
+        self._before_kv_ready(fault, victim, dst_of)
         p("kv_ready", victim, vsrc)
         p("kv_ready", bystander, bsrc)
         if fault == "abort-in-flight":
@@ -151,21 +144,40 @@ class Soak:
             self.machine_stalls += fault != "stall-prefill"
             pair_hit = True
         for tid, dst in dst_of.items():
-            ev = outcomes[tid]
-            if ev["type"] == "Ready":
-                salt = vsalt if tid == victim else bsalt
-                if self.d("bad_blocks", dst, salt, 0) != ("bad", []):
-                    self.corrupt += 1
-                    print(f"corrupt: {tid} ({fault})", file=sys.stderr)
-                self.completed += 1
-            else:
-                self.failures[f"{fault}: {ev.get('reason', '?')}"] += 1
-                if tid == bystander and not pair_hit:
-                    print(f"bystander {tid} failed under {fault}: {ev}", file=sys.stderr)
-                    self.failures["bystander-affected"] += 1
-            self._settle(tid, dst, released=ev["type"] != "Ready")
+            salt = vsalt if tid == victim else bsalt
+            self._outcome(tid, dst, outcomes[tid], salt, tid == bystander and not pair_hit)
+
+    def _outcome(
+        self, tid: str, dst: list[int], ev: dict[str, Any], salt: int, alone: bool
+    ) -> None:
+        """Check and count one request's outcome (``alone``: a bystander that
+        no pair fault touched), then settle its blocks."""
+        fault = self.fault
+        if ev["type"] == "Ready":
+            if self.d("bad_blocks", dst, salt, 0) != ("bad", []):
+                self.corrupt += 1
+                print(f"corrupt: {tid} ({fault})", file=sys.stderr)
+            self.completed += 1
+        else:
+            self.failures[f"{fault}: {ev.get('reason', '?')}"] += 1
+            if alone:
+                print(f"bystander {tid} failed under {fault}: {ev}", file=sys.stderr)
+                self.failures["bystander-affected"] += 1
+        self._settle(tid, dst, released=ev["type"] != "Ready")
 
     # --- helpers -------------------------------------------------------------------
+
+    def _before_kv_ready(self, fault: str, victim: str, dst_of: dict[str, list[int]]) -> None:
+        """The faults injected before the producer has the KV."""
+        p, d = self.p, self.d
+        if fault == "abort" and victim in dst_of and d("abort", victim) == ("aborted", True):
+            self._settle(victim, dst_of.pop(victim), released=True)
+        if fault == "abort-in-flight":
+            d("pause", True)
+        if fault == "stall-prefill":
+            os.kill(p.proc.pid, signal.SIGSTOP)
+            time.sleep(self.rng.uniform(0.1, 0.6))
+            os.kill(p.proc.pid, signal.SIGCONT)
 
     def _reserve(self, tid: str, dst: list[int]) -> bool:
         out = self.d("reserve", tid, dst, "push", 0)

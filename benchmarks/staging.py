@@ -210,50 +210,57 @@ class Decode:
         conn.send(("ready", self.transport.metadata(), bytes(self.raw.get_agent_metadata()),
                    self.mem.base))  # fmt: skip
         while True:
-            if self.polls == "kvpush":
-                _, notices = self.transport.poll()
-                for n in notices:
-                    self._notice(n.payload)
-            else:
-                for msgs in (self.raw.get_new_notifs() or {}).values():
-                    for m in msgs:
-                        conn.send(("seen", bytes(m), time.monotonic_ns()))
-            if not conn.poll():
-                continue
-            msg = conn.recv()
-            cmd = msg[0]
-            if cmd == "peer":
-                _, kv_md, raw_md, theirs, src_ids, dst_ids = msg
-                self.peer = self.transport.add_peer(kv_md, theirs)
-                remote = self.raw.add_remote_agent(raw_md)
-                self.remote = remote.decode() if isinstance(remote, bytes) else str(remote)
-                self.theirs, self.src_ids, self.dst_ids = theirs, src_ids, dst_ids
-                self.route = compute_topology(1, 1, 1, HEADS).routes[0]
-                self.planner = TransferPlanner(theirs, self.mine, self.route)
-                conn.send(("ok",))
-            elif cmd == "polls":
-                self.polls = msg[1]
-                conn.send(("ok",))
-            elif cmd == "stage":  # the reservation's record, as the runtime keeps it
-                self.stager.unstage((msg[2], 1))
-                self.stager.stage((msg[1], 1), [list(self.dst_ids)], (0, self.g["stage"]))
-                conn.send(("ok",))
-            elif cmd == "pull":
-                conn.send(("done", self._pull(msg[1], msg[2])))
-            elif cmd == "zero":
-                self.mem.zero(0, self.g["kv"])
-                conn.send(("ok",))
-            elif cmd == "digest":
-                rows = block_rows(self.mine, tuple(self.dst_ids), self.block)
-                conn.send(
-                    (
-                        "digest",
-                        self.mem.digest(rows, self.mem.base + self.g["kv"] + self.g["stage"]),
-                    )
-                )
-            elif cmd == "stop":
-                conn.send(("stopped",))
+            self._poll()
+            if conn.poll() and not self._command(conn.recv()):
                 return
+
+    def _poll(self) -> None:
+        if self.polls == "kvpush":
+            _, notices = self.transport.poll()
+            for n in notices:
+                self._notice(n.payload)
+        else:
+            for msgs in (self.raw.get_new_notifs() or {}).values():
+                for m in msgs:
+                    self.conn.send(("seen", bytes(m), time.monotonic_ns()))
+
+    def _command(self, msg: tuple[Any, ...]) -> bool:
+        """Run one command from the driver; False once told to stop."""
+        conn = self.conn
+        cmd = msg[0]
+        if cmd == "peer":
+            _, kv_md, raw_md, theirs, src_ids, dst_ids = msg
+            self.peer = self.transport.add_peer(kv_md, theirs)
+            remote = self.raw.add_remote_agent(raw_md)
+            self.remote = remote.decode() if isinstance(remote, bytes) else str(remote)
+            self.theirs, self.src_ids, self.dst_ids = theirs, src_ids, dst_ids
+            self.route = compute_topology(1, 1, 1, HEADS).routes[0]
+            self.planner = TransferPlanner(theirs, self.mine, self.route)
+            conn.send(("ok",))
+        elif cmd == "polls":
+            self.polls = msg[1]
+            conn.send(("ok",))
+        elif cmd == "stage":  # the reservation's record, as the runtime keeps it
+            self.stager.unstage((msg[2], 1))
+            self.stager.stage((msg[1], 1), [list(self.dst_ids)], (0, self.g["stage"]))
+            conn.send(("ok",))
+        elif cmd == "pull":
+            conn.send(("done", self._pull(msg[1], msg[2])))
+        elif cmd == "zero":
+            self.mem.zero(0, self.g["kv"])
+            conn.send(("ok",))
+        elif cmd == "digest":
+            rows = block_rows(self.mine, tuple(self.dst_ids), self.block)
+            conn.send(
+                (
+                    "digest",
+                    self.mem.digest(rows, self.mem.base + self.g["kv"] + self.g["stage"]),
+                )
+            )
+        elif cmd == "stop":
+            conn.send(("stopped",))
+            return False
+        return True
 
     def _notice(self, payload: bytes) -> None:
         if payload.startswith(b"KVN"):

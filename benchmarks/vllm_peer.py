@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,41 +216,7 @@ def build_modes(
         e = engine("plain", model, logs, bind="0", block_size=bs, args=common)
         modes["plain"] = Mode("plain", [e], url=e.url)
     if set(KVPUSH_MODES) & set(names):
-        p = engine(
-            "kvpush-p",
-            model,
-            logs,
-            bind="0",
-            block_size=bs,
-            role="prefill",
-            args=common,
-            kv={"kv_load_failure_policy": "fail"},
-            extra={
-                "timeline_file": str(logs / TIMELINES[0]),
-                "step_profile_file": str(logs / STEPS[0]),
-            },
-        )
-        d = engine(
-            "kvpush-d",
-            model,
-            logs,
-            bind="1",
-            block_size=bs,
-            role="decode",
-            args=common,
-            kv={"kv_load_failure_policy": "fail"},
-            extra={
-                "timeline_file": str(logs / TIMELINES[1]),
-                "step_profile_file": str(logs / STEPS[1]),
-                "idle_wait": idle_wait,
-            },
-        )
-        r = router("kvpush-router", logs, p, d, args=["--timeline-file", str(logs / TIMELINES[2])])
-        for n in ("kvpush-push", "kvpush-pull"):
-            if n in names:
-                modes[n] = Mode(n, [p, d], url=r.url, prefill=p, decode=d, extra={"router": r})
-        if "kvpush-local" in names:
-            modes["kvpush-local"] = Mode("kvpush-local", [d], url=d.url, decode=d)
+        modes.update(_kvpush_modes(names, model, logs, bs, common, idle_wait))
     for n in VLLM_MODES:
         if n not in names:
             continue
@@ -275,6 +241,49 @@ def build_modes(
     return modes
 
 
+def _kvpush_modes(
+    names: Sequence[str], model: Path, logs: Path, bs: int, common: list[str], idle_wait: float
+) -> dict[str, Mode]:
+    """The kvpush modes named: one prefill, one decode and the router, shared."""
+    modes: dict[str, Mode] = {}
+    p = engine(
+        "kvpush-p",
+        model,
+        logs,
+        bind="0",
+        block_size=bs,
+        role="prefill",
+        args=common,
+        kv={"kv_load_failure_policy": "fail"},
+        extra={
+            "timeline_file": str(logs / TIMELINES[0]),
+            "step_profile_file": str(logs / STEPS[0]),
+        },
+    )
+    d = engine(
+        "kvpush-d",
+        model,
+        logs,
+        bind="1",
+        block_size=bs,
+        role="decode",
+        args=common,
+        kv={"kv_load_failure_policy": "fail"},
+        extra={
+            "timeline_file": str(logs / TIMELINES[1]),
+            "step_profile_file": str(logs / STEPS[1]),
+            "idle_wait": idle_wait,
+        },
+    )
+    r = router("kvpush-router", logs, p, d, args=["--timeline-file", str(logs / TIMELINES[2])])
+    for n in ("kvpush-push", "kvpush-pull"):
+        if n in names:
+            modes[n] = Mode(n, [p, d], url=r.url, prefill=p, decode=d, extra={"router": r})
+    if "kvpush-local" in names:
+        modes["kvpush-local"] = Mode("kvpush-local", [d], url=d.url, decode=d)
+    return modes
+
+
 def _error_lines(e: Engine, n: int = 6) -> str:
     lines = e.proc.tail(400).splitlines()
     keep = [ln for ln in lines if any(w in ln for w in ("Error", "error", "refuse", "Traceback"))]
@@ -284,17 +293,9 @@ def _error_lines(e: Engine, n: int = 6) -> str:
 def start(modes: dict[str, Mode], timeout: float) -> None:
     """Start every process at once; a mode whose processes do not get healthy is
     skipped (with its error lines) and its processes stopped."""
-    groups: dict[str, list[Engine]] = {}
-    for m in modes.values():
-        if m.skipped:
-            continue
-        groups[m.name] = m.procs()
-    seen: set[int] = set()
-    for procs in groups.values():
-        for e in procs:
-            if id(e) not in seen:
-                seen.add(id(e))
-                e.proc.start()
+    groups = {m.name: m.procs() for m in modes.values() if not m.skipped}
+    for e in _unique(modes[name] for name in groups):
+        e.proc.start()
     deadline = time.monotonic() + timeout
     for name, procs in groups.items():
         try:
@@ -313,12 +314,18 @@ def start(modes: dict[str, Mode], timeout: float) -> None:
 
 
 def stop(modes: dict[str, Mode]) -> None:
+    for e in _unique(modes.values()):
+        e.proc.stop()
+
+
+def _unique(modes: Iterable[Mode]) -> Iterator[Engine]:
+    """Every process of ``modes`` once (modes share engines), in order."""
     seen: set[int] = set()
-    for m in modes.values():
+    for m in modes:
         for e in m.procs():
             if id(e) not in seen:
                 seen.add(id(e))
-                e.proc.stop()
+                yield e
 
 
 # ------------------------------------------------------------------ CPU
@@ -475,17 +482,7 @@ def stream(
             return Result(False, error=f"HTTP {status}: {resp.read()[:300]!r}")
         ids: list[int] = []
         first = last = None
-        while True:
-            line = resp.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
+        for chunk in _chunks(resp):
             if "error" in chunk:
                 return Result(False, ids, error=f"stream error: {str(chunk['error'])[:300]}")
             for ch in chunk.get("choices", []):
@@ -503,6 +500,18 @@ def stream(
         return Result(False, ids, error="no token streamed")
     tpot = (last - first) / (len(ids) - 1) if len(ids) > 1 else None
     return Result(True, ids, first - t0, tpot, "", t0, first, resp.getheader("x-request-id"))
+
+
+def _chunks(resp: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
+    """The events of a streamed completion, up to ``[DONE]`` or the end."""
+    while line := resp.readline():
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
 
 
 def non_stream(
@@ -729,20 +738,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--work", type=Path, default=None, help="logs and model (default: a tmp dir)")
     args = ap.parse_args(argv)
-
-    names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in names if m not in MODES]
-    if bad:
-        ap.error(f"unknown modes {bad}; known: {list(MODES)}")
-    loads = [x.strip() for x in args.loads.split(",") if x.strip()]
-    if not loads or any(x not in LOADS for x in loads):
-        ap.error(f"--loads must name some of {list(LOADS)}")
-    if "poisson" in loads and args.qps <= 0:
-        ap.error("--qps must be > 0 for the poisson load")
-    if args.max_prompt_tokens + args.output_tokens > MAX_MODEL_LEN:
-        ap.error(f"max prompt + output tokens must be <= {MAX_MODEL_LEN} (the model's length)")
-    if "plain" not in names:
-        names.insert(0, "plain")  # the token reference
+    names, loads = _checked(ap, args)
 
     work = args.work or Path(tempfile.mkdtemp(prefix="kvpush-vllm-peer-"))
     logs = work / "logs"
@@ -772,25 +768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit("the plain engine did not start: " + str(modes["plain"].skipped))
         engines = [e for m in live for e in m.procs()]
         meter = CpuMeter(engines)
-        # Warm-up (excluded): the first request of each mode does its handshakes.
-        # A mode whose warm-up fails is skipped, with the error as the reason.
         warm = [random.Random(0).randrange(3, 256) for _ in range(64)]
-        LIMITS["request"] = min(60.0, args.timeout)
-        for m in live:
-            r = send(m, warm, 2)
-            log(f"warm-up {m.name}: {'ok' if r.ok else r.error}")
-            if not r.ok and m.name != "plain":
-                m.skipped = (
-                    f"the warm-up request failed: {r.error}; log: {_error_lines(m.engines[-1])}"
-                )
-        LIMITS["request"] = args.timeout
-        live = [m for m in live if not m.skipped]
-        time.sleep(1.5)
-        # Once more after the profiles' one-second flush: it names kvpush's threads.
-        for m in live:
-            if m.name in ("kvpush-push", "kvpush-pull"):
-                send(m, warm, 2)
-        time.sleep(1.5)
+        live = _warm_up(live, warm, args.timeout)
         meter.threads = {
             f"{KVPUSH_ENGINE[name.split(':')[0]]}:{name}": ids
             for name, ids in vllm_steps.kvpush_threads(logs / f for f in STEPS).items()
@@ -799,35 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with meter.window("idle"):
             time.sleep(args.idle_seconds)
         busy = neighbours(args.neighbours)
-        for rnd in range(args.rounds):
-            rng = random.Random(args.seed * 1000 + rnd)
-            for load in loads:
-                count = args.requests if load == "poisson" else args.burst_requests
-                lengths = [
-                    rng.randint(args.min_prompt_tokens, args.max_prompt_tokens)
-                    for _ in range(count)
-                ]
-                ps = [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
-                offsets = arrivals(count, args.qps if load == "poisson" else 0.0, rng)
-                order = live[rnd % len(live) :] + live[: rnd % len(live)]
-                for m in order:
-                    token_engine = m.decode or m.engines[0]
-                    before = vllm_steps.histogram(metrics(token_engine.url))
-                    with meter.window(f"load:{load}:{m.name}"):
-                        t = time.monotonic()
-                        rs = batch(m, ps, args.output_tokens, offsets)
-                        took = time.monotonic() - t
-                    windows.setdefault(f"{load}:{m.name}", []).append((t, t + took))
-                    after = vllm_steps.histogram(metrics(token_engine.url))
-                    key = (load, m.name)
-                    itl[key] = vllm_steps.merge(itl.get(key), vllm_steps.itl_delta(before, after))
-                    fails = sum(not r.ok for r in rs)
-                    log(f"round {rnd} {load} {m.name}: {len(rs)} in {took:.1f} s, {fails} failed")
-                    for i, r in enumerate(rs):
-                        results.setdefault(key, []).append((rnd, i, r))
-                        if m.name == "plain":
-                            reference[(load, rnd, i)] = r.token_ids if r.ok else None
-                    time.sleep(1.0)
+        _rounds(args, loads, live, meter, results, itl, windows, reference)
         stop_all(busy)
         kv = next((m for m in live if m.name in ("kvpush-push", "kvpush-pull")), None)
         if kv is not None and args.waiting_seconds > 0:
@@ -876,6 +827,86 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(vllm_breakdown.table(f"{load} {name}", s["breakdown"]), file=sys.stderr)
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The modes (``plain`` first, the token reference) and loads asked for."""
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if bad:
+        ap.error(f"unknown modes {bad}; known: {list(MODES)}")
+    loads = [x.strip() for x in args.loads.split(",") if x.strip()]
+    if not loads or any(x not in LOADS for x in loads):
+        ap.error(f"--loads must name some of {list(LOADS)}")
+    if "poisson" in loads and args.qps <= 0:
+        ap.error("--qps must be > 0 for the poisson load")
+    if args.max_prompt_tokens + args.output_tokens > MAX_MODEL_LEN:
+        ap.error(f"max prompt + output tokens must be <= {MAX_MODEL_LEN} (the model's length)")
+    if "plain" not in names:
+        names.insert(0, "plain")  # the token reference
+    return names, loads
+
+
+def _warm_up(live: list[Mode], warm: list[int], timeout: float) -> list[Mode]:
+    """Warm-up (excluded): the first request of each mode does its handshakes.
+    A mode whose warm-up fails is skipped, with the error as the reason; the
+    modes still live."""
+    LIMITS["request"] = min(60.0, timeout)
+    for m in live:
+        r = send(m, warm, 2)
+        log(f"warm-up {m.name}: {'ok' if r.ok else r.error}")
+        if not r.ok and m.name != "plain":
+            m.skipped = f"the warm-up request failed: {r.error}; log: {_error_lines(m.engines[-1])}"
+    LIMITS["request"] = timeout
+    live = [m for m in live if not m.skipped]
+    time.sleep(1.5)
+    # Once more after the profiles' one-second flush: it names kvpush's threads.
+    for m in live:
+        if m.name in ("kvpush-push", "kvpush-pull"):
+            send(m, warm, 2)
+    time.sleep(1.5)
+    return live
+
+
+def _rounds(
+    args: argparse.Namespace,
+    loads: list[str],
+    live: list[Mode],
+    meter: CpuMeter,
+    results: dict[tuple[str, str], list[tuple[int, int, Result]]],
+    itl: dict[tuple[str, str], dict[str, Any]],
+    windows: dict[str, list[tuple[float, float]]],
+    reference: dict[tuple[str, int, int], list[int] | None],
+) -> None:
+    """The measured rounds: every load, every live mode (in a rotating order)."""
+    for rnd in range(args.rounds):
+        rng = random.Random(args.seed * 1000 + rnd)
+        for load in loads:
+            count = args.requests if load == "poisson" else args.burst_requests
+            lengths = [
+                rng.randint(args.min_prompt_tokens, args.max_prompt_tokens) for _ in range(count)
+            ]
+            ps = [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+            offsets = arrivals(count, args.qps if load == "poisson" else 0.0, rng)
+            order = live[rnd % len(live) :] + live[: rnd % len(live)]
+            for m in order:
+                token_engine = m.decode or m.engines[0]
+                before = vllm_steps.histogram(metrics(token_engine.url))
+                with meter.window(f"load:{load}:{m.name}"):
+                    t = time.monotonic()
+                    rs = batch(m, ps, args.output_tokens, offsets)
+                    took = time.monotonic() - t
+                windows.setdefault(f"{load}:{m.name}", []).append((t, t + took))
+                after = vllm_steps.histogram(metrics(token_engine.url))
+                key = (load, m.name)
+                itl[key] = vllm_steps.merge(itl.get(key), vllm_steps.itl_delta(before, after))
+                fails = sum(not r.ok for r in rs)
+                log(f"round {rnd} {load} {m.name}: {len(rs)} in {took:.1f} s, {fails} failed")
+                for i, r in enumerate(rs):
+                    results.setdefault(key, []).append((rnd, i, r))
+                    if m.name == "plain":
+                        reference[(load, rnd, i)] = r.token_ids if r.ok else None
+                time.sleep(1.0)
 
 
 def _load_figures(

@@ -103,6 +103,48 @@ def met(name: str, value: float) -> bool:
     return value >= goal if op == ">=" else value <= goal
 
 
+def _med(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
+
+def _figures(
+    rounds: list[dict[str, Any]], wanted: set[str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The figures (medians over the rounds) and their detail."""
+    figures: dict[str, Any] = {}
+    detail: dict[str, Any] = {}
+    if "nixl" in rounds[0]:
+        blocks = list(rounds[0]["nixl"])
+        ratio = {b: _med([r["nixl"][b]["kvpush_over_best"] for r in rounds]) for b in blocks}
+        figures["nixl_kvpush_over_raw_best"] = min(ratio.values())
+        detail["nixl_per_block"] = {
+            b: {
+                "kvpush_over_best": ratio[b],
+                "kvpush_excl_plan_over_best": _med(
+                    [r["nixl"][b]["kvpush_excl_plan_over_best"] for r in rounds]
+                ),
+                "kvpush_plan_ms": _med([r["nixl"][b]["kvpush_plan_ms"] for r in rounds]),
+            }
+            for b in blocks
+        }
+    if "demo" in rounds[0]:
+        for key in ("handoff_overhead_us_p50", "decode_caller_us_per_request"):
+            if key in wanted:
+                figures[key] = _med([r["demo"][key] for r in rounds])
+        phases = rounds[0]["demo"]["phases_ms_p50"]
+        detail["demo_phases_ms_p50"] = {
+            k: _med([r["demo"]["phases_ms_p50"][k] for r in rounds]) for k in phases
+        }
+        detail["raw_copy_ms_per_request"] = _med(
+            [r["demo"]["raw_copy_ms_per_request"] for r in rounds]
+        )
+        if "decode_caller_us_per_request" in wanted:
+            detail["decode_caller_us_isolated"] = handoff.isolated_caller_cost()
+    if "lifecycle_us_tp1" in rounds[0]:
+        figures["lifecycle_us_tp1"] = _med([r["lifecycle_us_tp1"] for r in rounds])
+    return figures, detail
+
+
 def main() -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -137,40 +179,7 @@ def main() -> int:
         log(json.dumps(rnd))
         rounds.append(rnd)
 
-    def med(values: list[float]) -> float:
-        return round(statistics.median(values), 3)
-
-    figures: dict[str, Any] = {}
-    detail: dict[str, Any] = {}
-    if "nixl" in rounds[0]:
-        blocks = list(rounds[0]["nixl"])
-        ratio = {b: med([r["nixl"][b]["kvpush_over_best"] for r in rounds]) for b in blocks}
-        figures["nixl_kvpush_over_raw_best"] = min(ratio.values())
-        detail["nixl_per_block"] = {
-            b: {
-                "kvpush_over_best": ratio[b],
-                "kvpush_excl_plan_over_best": med(
-                    [r["nixl"][b]["kvpush_excl_plan_over_best"] for r in rounds]
-                ),
-                "kvpush_plan_ms": med([r["nixl"][b]["kvpush_plan_ms"] for r in rounds]),
-            }
-            for b in blocks
-        }
-    if "demo" in rounds[0]:
-        for key in ("handoff_overhead_us_p50", "decode_caller_us_per_request"):
-            if key in wanted:
-                figures[key] = med([r["demo"][key] for r in rounds])
-        phases = rounds[0]["demo"]["phases_ms_p50"]
-        detail["demo_phases_ms_p50"] = {
-            k: med([r["demo"]["phases_ms_p50"][k] for r in rounds]) for k in phases
-        }
-        detail["raw_copy_ms_per_request"] = med(
-            [r["demo"]["raw_copy_ms_per_request"] for r in rounds]
-        )
-        if "decode_caller_us_per_request" in wanted:
-            detail["decode_caller_us_isolated"] = handoff.isolated_caller_cost()
-    if "lifecycle_us_tp1" in rounds[0]:
-        figures["lifecycle_us_tp1"] = med([r["lifecycle_us_tp1"] for r in rounds])
+    figures, detail = _figures(rounds, wanted)
     out = {
         "figures": figures,
         "goals": {k: f"{GOALS[k][0]} {GOALS[k][1]:g}" for k in figures},

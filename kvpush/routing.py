@@ -1,22 +1,11 @@
 """The routing policy: which prefill and which decode instance take the next
-request. The router (``kvpush router``), the demo and the simulator all use it.
-It is pure: no I/O, clock or randomness; the same loads give the same pick.
+request; the router, the demo and the simulator all use it (docs/router.md,
+"Choosing the instances" and "Health"). Pure: the same loads give the same pick.
 
-Each side takes its least-loaded instances by **(reserved blocks, outstanding
-requests)**. Among the pairs of those the least-used pair wins, then the first
-in a fixed round over every pair: on an idle fleet request ``k < P x D`` goes
-to ``(k mod P, (k + k // lcm(P, D)) mod D)``, then the round repeats. So a
-burst uses every pair within one of every other, each side within one request
-of even. An instance with a ``capacity`` (blocks) takes only what fits; when
-no instance of a side has room, :func:`pick` returns ``None`` (a policy cannot
-make room: the caller waits for a release, or refuses).
-
-Health: an instance that is **down** (``up=False``: its router saw it fail
-and its probe has not answered yet) is never picked; :class:`Health` keeps
-that state and when to probe, with exponential backoff. A decode that
-reports **suspect blocks** (KV held until a silent producer proves that no
-write can land, docs/protocol.md) ranks after every decode that reports
-none: it gets new requests only while no clean decode is up.
+The fixed round over the pairs: on an idle fleet request ``k < P x D`` goes to
+``(k mod P, (k + k // lcm(P, D)) mod D)``, then the round repeats. When no
+instance of a side has room, :func:`pick` returns ``None``: a policy cannot
+make room (the caller waits for a release, or refuses).
 """
 
 from __future__ import annotations
@@ -173,16 +162,10 @@ class Ledger:
 
 
 class Health:
-    """Which instances of one side are down, and when to probe each again.
-
-    Pure, like the rest of this module: ``now`` (seconds) and the jitter draw
-    ``u`` (uniform in [0, 1)) come in. :meth:`failed` takes an instance down
-    and returns when to probe it: ``first`` seconds, doubling with every
-    failure since its last served request, at most ``most``, times
-    ``1 +- jitter``. A probe that answers brings it back (:meth:`answered`)
-    but keeps the count, so one that keeps failing its requests is probed
-    ever more rarely; a served request resets it (:meth:`served`).
-    """
+    """Which instances of one side are down, and when to probe each again:
+    ``first`` seconds, doubling with every failure since the last served
+    request, at most ``most``, times ``1 +- jitter``. Pure: ``now`` and the
+    jitter draw ``u`` (uniform in [0, 1)) come in."""
 
     def __init__(self, n: int, first: float = 0.5, most: float = 10.0, jitter: float = 0.2) -> None:
         if n < 1 or not 0 < first <= most or not 0 <= jitter < 1:

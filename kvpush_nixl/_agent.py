@@ -1,15 +1,9 @@
 """A typed facade over ``nixl._api.nixl_agent``: the only module that touches NIXL.
 
-NIXL's Python API is untyped, reports failure through a dozen exception classes
-of its own (``nixlNotFoundError``, ``nixlRemoteDisconnectError``, ... all plain
-``Exception`` subclasses) plus the odd ``IndexError`` or ``None`` from its
-helpers, and its messages are bare status names (``NIXL_ERR_NOT_FOUND``).
-:class:`Agent` wraps each call it uses: typed arguments and results, and every
-failure re-raised as :class:`~kvpush.runtime.TransportError` that says what we
-were doing and, where NIXL's status is cryptic, what it usually means.
-
-NIXL is imported lazily (:func:`load_api`), so ``import kvpush_nixl`` works
-without it and only building a transport says how to install it.
+Every NIXL failure (a dozen ``Exception`` subclasses of its own with bare status
+names, plus the odd ``IndexError``) is re-raised as
+:class:`~kvpush.runtime.TransportError` saying what we were doing and what the
+status usually means. NIXL is imported lazily (:func:`load_api`).
 """
 
 from __future__ import annotations
@@ -23,9 +17,9 @@ from numpy.typing import NDArray
 
 from kvpush.runtime import TransportError
 
-from ._memory import Span
+from ._memory import U64, Span
 
-__all__ = ("INSTALL_HINT", "Agent", "describe", "load_api")
+__all__ = ("I32", "INSTALL_HINT", "U64", "Handle", "NixlAgent", "load_api")
 
 INSTALL_HINT = (
     "NIXL is not installed: on a CPU host run `pip install --no-deps nixl nixl-cu12` (the "
@@ -44,7 +38,6 @@ _HINTS = {
 }
 
 Handle = Any  # an opaque nixl_xfer_handle or nixl_prepped_dlist_handle
-U64 = NDArray[np.uint64]
 I32 = NDArray[np.int32]
 
 
@@ -79,7 +72,7 @@ def _params(params: Mapping[str, object]) -> dict[str, str]:
     return out
 
 
-class Agent:
+class NixlAgent:
     """One ``nixl_agent`` with the threads and lock mode kvpush wants."""
 
     __slots__ = ("_agent", "name")

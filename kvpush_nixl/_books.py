@@ -1,18 +1,4 @@
-"""Bookkeeping of one NixlTransport: posted transfers and arriving notices.
-
-:class:`Transfers` maps our integer handles to NIXL transfer handles, settles
-them in :meth:`Transfers.poll`, fails every transfer of a peer instance that is
-dropped, and keeps the rare handle NIXL refuses to release (a transfer it
-could not cancel) to retry later, so nothing is ever checked after release
-(NIXL's wrapper would read freed memory).
-
-:class:`Notices` maps NIXL sender names back to logical peers. NIXL delivers a
-notification even when the target has not loaded the sender's metadata, so a
-fast writer can be heard before its ``add_peer``: such notices wait (bounded)
-until that exact instance is added, and notices of a *retired* instance (one
-that restarted or was removed) are dropped, as the shared-memory transport
-drops a dead writer's mailbox.
-"""
+"""Bookkeeping of one NixlTransport: posted transfers and arriving notices."""
 
 from __future__ import annotations
 
@@ -25,7 +11,7 @@ from dataclasses import dataclass
 
 from kvpush.runtime import Completed, Notice, TransportError
 
-from ._agent import Agent, Handle
+from ._agent import Handle, NixlAgent
 from ._meta import split_nixl_name
 
 __all__ = ("Notices", "Transfers")
@@ -45,12 +31,17 @@ class _Posted:
 
 
 class Transfers:
-    """Posted transfers by our handle; settled ones waiting to be reported."""
+    """Posted transfers by our integer handle; settled ones waiting to be reported.
 
-    __slots__ = ("_agent", "_next", "_posted", "_settled", "_zombies")
+    A handle NIXL refuses to release (a transfer it could not cancel) is kept
+    to retry later, so nothing is ever checked after release (NIXL's wrapper
+    would read freed memory).
+    """
 
-    def __init__(self, agent: Agent) -> None:
-        self._agent = agent
+    __slots__ = ("_next", "_nixl", "_posted", "_settled", "_zombies")
+
+    def __init__(self, nixl: NixlAgent) -> None:
+        self._nixl = nixl
         self._next = 1
         self._posted: dict[int, _Posted] = {}
         self._settled: list[Completed] = []
@@ -85,7 +76,7 @@ class Transfers:
         posted = self._posted.get(handle)
         if posted is None:
             return True
-        if not self._agent.release(posted.xfer):
+        if not self._nixl.release(posted.xfer):
             return False
         del self._posted[handle]
         self._settled.append(Completed(handle, "cancelled past its bound (NIXL released it)"))
@@ -97,7 +88,7 @@ class Transfers:
         completed, self._settled = self._settled, []
         for handle, posted in list(self._posted.items()):
             try:
-                state = self._agent.state(posted.xfer)
+                state = self._nixl.state(posted.xfer)
             except TransportError as exc:
                 error: str | None = str(exc)
             else:
@@ -108,30 +99,27 @@ class Transfers:
             self._release(posted.xfer)
             completed.append(Completed(handle, error))
         if self._zombies:
-            self._zombies = [x for x in self._zombies if not self._agent.release(x)]
+            self._zombies = [x for x in self._zombies if not self._nixl.release(x)]
         completed.sort(key=lambda c: c.handle)
         return completed
 
     def close(self, timeout: float) -> int:
-        """Release everything; returns how many NIXL would not release.
-
-        Releasing cancels a running transfer. One that NIXL cannot cancel gets
-        up to ``timeout`` seconds of progress (checks and notification
-        polls) to finish, then is left to NIXL's own teardown."""
+        """Release (cancel) everything; returns how many NIXL would not release.
+        Those get up to ``timeout`` seconds of progress, then NIXL's teardown."""
         left = [p.xfer for p in self._posted.values()] + self._zombies
         self._posted.clear()
         self._settled.clear()
         self._zombies = []
         deadline = time.monotonic() + timeout
         while left:
-            left = [x for x in left if not self._agent.release(x)]
+            left = [x for x in left if not self._nixl.release(x)]
             if not left or time.monotonic() >= deadline:
                 break
             for xfer in left:
                 with contextlib.suppress(TransportError):
-                    self._agent.state(xfer)
+                    self._nixl.state(xfer)
             with contextlib.suppress(TransportError):
-                self._agent.notifs()
+                self._nixl.notifs()
             time.sleep(0.001)
         return len(left)
 
@@ -141,26 +129,25 @@ class Transfers:
         return handle
 
     def _release(self, xfer: Handle) -> None:
-        if not self._agent.release(xfer):
+        if not self._nixl.release(xfer):
             self._zombies.append(xfer)
 
 
 class Notices:
-    """Notices ready to hand out, held for unknown senders, or to be dropped."""
+    """Notices by logical sender: ready to hand out, held, or dropped.
 
-    __slots__ = ("_count", "_name", "_pending", "_ready", "_retired")
+    NIXL delivers a notification even before the target loaded the sender's
+    metadata: such notices wait (bounded) for that exact instance's ``add_peer``;
+    those of a retired (restarted or removed) instance are dropped."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    __slots__ = ("_agent", "_count", "_pending", "_ready", "_retired")
+
+    def __init__(self, agent: str) -> None:
+        self._agent = agent
         self._ready: list[Notice] = []
         self._pending: dict[str, list[bytes]] = {}
         self._count = 0
         self._retired: OrderedDict[str, None] = OrderedDict()
-
-    @property
-    def held(self) -> int:
-        """Notices waiting for their sender's ``add_peer``."""
-        return self._count
 
     def admit(self, agent: str, nixl_name: str) -> None:
         """An instance was added: what it sent before is ready now."""
@@ -188,14 +175,14 @@ class Notices:
                 out.extend(Notice(parts[0], m) for m in payloads)
             elif sender in self._retired:
                 log.info(
-                    "%s: dropped %d notice(s) of retired %s", self._name, len(payloads), sender
+                    "%s: dropped %d notice(s) of retired %s", self._agent, len(payloads), sender
                 )
             elif self._count + len(payloads) <= MAX_PENDING:
                 self._pending.setdefault(sender, []).extend(payloads)
                 self._count += len(payloads)
             else:
                 log.warning(
-                    "%s: dropped %d notice(s) of unknown %s", self._name, len(payloads), sender
+                    "%s: dropped %d notice(s) of unknown %s", self._agent, len(payloads), sender
                 )
         return out
 

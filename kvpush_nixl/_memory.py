@@ -1,29 +1,21 @@
 """Registered memory of one NIXL agent, as address spans, and descriptor-row checks.
 
-NIXL needs a memory type (``"DRAM"``, ``"VRAM"``) for every descriptor list and
-refuses a transfer whose rows are not inside memory registered on both sides,
-before anything moves, with a bare ``NIXL_ERR_NOT_FOUND``. A :class:`MemoryMap`
-gives the memory type of a list of rows (one per list: NIXL lists carry a
-single type) and, when NIXL refuses, names the row that leaves the registered
-spans or carries the wrong device id. With one memory type and device
-registered (the usual case) the type costs nothing; only a rank with both
-DRAM and VRAM registered pays a binary search per row (~40 ns: 1.2 ms for
-32,768 rows, as much as NIXL's own request, hence not on every post).
+NIXL refuses rows outside memory registered on both sides with a bare
+``NIXL_ERR_NOT_FOUND``; a :class:`MemoryMap` gives a list of rows its one memory
+type (NIXL lists carry one) and, on a refusal, names the row. With DRAM and VRAM
+both registered that costs a binary search per row (~40 ns: 1.2 ms for 32,768
+rows, as much as NIXL's own request), hence not on every post.
 
-Spans come from a :class:`~kvpush.protocol.KVLayout` (:func:`layout_spans`):
-one span per region, ``[base, base + extent)``. Regions that overlap (vLLM's
-FlashInfer packing interleaves K and V blocks in one tensor) are merged into
-one span when they share memory type and device, so the same bytes are never
-registered twice; regions that merely touch are *not* merged, because two
-allocations may be adjacent in the address space and a registration (a CUDA
-or ibverbs memory region) must not straddle them. Spans of different memory
-type or device must not overlap at all.
+:func:`layout_spans` merges overlapping regions (FlashInfer interleaves K and V
+in one tensor) so no byte is registered twice, but not touching ones: two
+allocations may be adjacent, and a registration (a CUDA or ibverbs memory
+region) must not straddle them.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +24,7 @@ from numpy.typing import NDArray
 from kvpush.protocol import KVLayout
 from kvpush.runtime import TransportError
 
-__all__ = ("MEMORY_TYPES", "MemoryMap", "Span", "check_rows", "explained", "layout_spans")
+__all__ = ("MEMORY_TYPES", "U64", "MemoryMap", "Span", "check_rows", "explained", "layout_spans")
 
 #: The memory types a span may have (NIXL's names; kvpush's MemoryType values).
 MEMORY_TYPES = ("DRAM", "VRAM")
@@ -108,21 +100,13 @@ class MemoryMap:
         for s in ordered:
             if s.memory not in MEMORY_TYPES:
                 raise TransportError(f"unknown memory type {s.memory!r:.20}")
-        #: The spans, by address.
         self.spans = ordered
         self._starts = np.array([s.base for s in ordered], dtype=np.uint64)
         self._ends = np.array([s.end for s in ordered], dtype=np.uint64)
         self._devs = np.array([s.device for s in ordered], dtype=np.uint64)
         self._kinds = np.array([MEMORY_TYPES.index(s.memory) for s in ordered], dtype=np.int8)
         kinds = {(s.memory, s.device) for s in ordered}
-        #: The memory type when every span has the same type and device.
         self._single = next(iter(kinds))[0] if len(kinds) == 1 else None
-
-    def __len__(self) -> int:
-        return len(self.spans)
-
-    def memory_types(self) -> frozenset[str]:
-        return frozenset(s.memory for s in self.spans)
 
     def _locate(self, rows: U64) -> tuple[NDArray[np.int64], int]:
         """Per row, the span holding it, and the first row no span holds (-1: none)."""
@@ -135,14 +119,8 @@ class MemoryMap:
         return at, int(np.argmax(bad)) if bool(bad.any()) else -1
 
     def classify(self, rows: U64, what: str) -> str:
-        """The one memory type of ``rows`` (checked by :func:`check_rows`, N >= 1).
-
-        With one memory type and device registered (the usual case) this is
-        O(1): NIXL itself refuses a row outside registered memory before
-        anything moves, and :meth:`explain` then names the row. A binary
-        search per row costs ~40 ns (1.2 ms for 32,768 rows over 128 spans),
-        more than NIXL's own request, so it only runs where the type must be
-        found per row (DRAM and VRAM both registered)."""
+        """The one memory type of ``rows`` (N >= 1). With one type and device
+        registered, a row outside it is NIXL's to refuse (:meth:`explain` names it)."""
         if not self.spans:
             raise TransportError(f"{what}: no memory is registered there")
         if self._single is not None:
@@ -205,7 +183,3 @@ def explained(exc: TransportError, *sides: tuple[MemoryMap, U64, str]) -> Transp
         if detail is not None:
             return TransportError(f"{detail}; {exc}")
     return exc
-
-
-def spans_to_wire(spans: Sequence[Span]) -> list[list[object]]:
-    return [[s.memory, s.device, s.base, s.length] for s in spans]

@@ -1,30 +1,12 @@
-"""What one NixlTransport tells its peers: a small msgpack wrapper around NIXL's metadata.
+"""What one NixlTransport tells its peers: a msgpack wrapper around NIXL's metadata.
 
-NIXL's own metadata (``get_agent_metadata()``) names the agent and lists its
-registered memory and connection info, but it says nothing about *which
-instance* of a logical rank produced it. kvpush needs that: a decode rank that
-restarts keeps its logical name (``decode-0-r1``) but has new memory and new
-connections, and everything prepared for the old process must be dropped, never
-reused. So the wrapper carries:
-
-``kind`` / ``version``
-    ``"kvpush.nixl"`` and :data:`META_VERSION`.
-``agent``
-    The stable logical name, what :meth:`NixlTransport.add_peer` returns and
-    what ``write``/``read`` take.
-``instance``
-    8 random bytes drawn when the transport was built. The NIXL agent name is
-    ``f"{agent}#{instance.hex()}"``, so NIXL never confuses two instances of one
-    logical rank (a stale handle fails with "stale generation" instead of
-    writing into a restarted process).
-``nixl``
-    NIXL's metadata bytes (~0.5 KB plus ~44 B per registered span).
-``mem``
-    The registered spans ``[memory type, device, base, length]``: the memory
-    type of the peer's descriptor rows and a cheap bounds check before posting.
-
-Decoding is strict (sizes, types, keys) and raises only :class:`TransportError`:
-the bytes come from a peer.
+The wrapper says which *instance* of a logical rank made the blob: a restarted
+rank keeps its name but has new memory and connections, so everything prepared
+for the old process must be dropped, never reused, and its NIXL agent name
+``agent#<instance hex>`` keeps NIXL from confusing the two (a stale handle fails
+with "stale generation" instead of writing into the new process). The fields:
+docs/operations.md, "Identity and restarts". Decoding is strict and raises only
+:class:`TransportError`: the bytes come from a peer.
 """
 
 from __future__ import annotations
@@ -38,20 +20,9 @@ import msgpack
 from kvpush.protocol import MAX_ID_LEN
 from kvpush.runtime import TransportError
 
-from ._memory import MEMORY_TYPES, Span, spans_to_wire
+from ._memory import MEMORY_TYPES, Span
 
-__all__ = (
-    "INSTANCE_BYTES",
-    "MAX_METADATA_BYTES",
-    "META_KIND",
-    "META_VERSION",
-    "PeerInfo",
-    "decode_metadata",
-    "encode_metadata",
-    "new_instance",
-    "nixl_name",
-    "split_nixl_name",
-)
+__all__ = ("decode_metadata", "encode_metadata", "new_instance", "nixl_name", "split_nixl_name")
 
 META_KIND = "kvpush.nixl"
 META_VERSION = 1
@@ -105,7 +76,7 @@ def encode_metadata(agent: str, instance: bytes, nixl: bytes, spans: tuple[Span,
             "agent": agent,
             "instance": instance,
             "nixl": bytes(nixl),
-            "mem": spans_to_wire(spans),
+            "mem": [[s.memory, s.device, s.base, s.length] for s in spans],
         },
         use_bin_type=True,
     )

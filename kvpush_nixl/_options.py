@@ -8,14 +8,45 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from kvpush.protocol import MAX_ID_LEN, ConfigError
+from kvpush.protocol import MAX_ID_LEN, ConfigError, build_options, option
 
 __all__ = ("SYNC_MODES", "PrepRule", "validate_options")
 
 #: Lock modes offered: NIXL's NONE (its default without the listener thread)
 #: hung 3 of 3 times with one thread posting while another polled.
 SYNC_MODES = ("STRICT", "RW")
+
+
+def _agent(value: Any) -> str:
+    if type(value) is not str or not 1 <= len(value.encode()) <= MAX_ID_LEN or "\0" in value:
+        raise ValueError(f"a non-empty str of at most {MAX_ID_LEN} bytes without NUL")
+    return value
+
+
+def _params(value: Any) -> Any:
+    maps = isinstance(value, Mapping) and all(isinstance(p, Mapping) for p in value.values())
+    if not maps or not all(_param_ok(k, v) for p in value.values() for k, v in p.items()):
+        raise ValueError("{backend: {param: value}}, a value a str, int, bool or list of str/int")
+    return value
+
+
+def _param_ok(key: object, value: object) -> bool:
+    items = value if isinstance(value, Sequence) else [value]  # a str: its characters
+    return type(key) is str and bool(key) and all(isinstance(v, (str, int)) for v in items)
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """:class:`NixlTransport`'s constructor options (its docstring says what each does)."""
+
+    agent: str = option(parse=_agent)
+    backends: tuple[str, ...] = option()
+    backend_params: Mapping[str, Mapping[str, Any]] = option(parse=_params)
+    progress_thread: bool = option()
+    sync_mode: str = option(choices=SYNC_MODES)
+    close_timeout: float = option(unit="s", low=0, high=3600)
 
 
 def validate_options(
@@ -27,43 +58,14 @@ def validate_options(
     close_timeout: object,
 ) -> dict[str, dict[str, object]]:
     """``{backend: init params}`` in creation order; ConfigError on misuse."""
-    if type(agent) is not str or not 1 <= len(agent.encode()) <= MAX_ID_LEN or "\0" in agent:
-        raise ConfigError(f"agent must be a non-empty str of at most {MAX_ID_LEN} bytes")
-    ok = isinstance(close_timeout, (int, float)) and not isinstance(close_timeout, bool)
-    if not ok or not 0 <= close_timeout <= 3600:  # type: ignore[operator]
-        raise ConfigError(f"close_timeout must be seconds in [0, 3600], got {close_timeout!r}")
-    if isinstance(backends, str) or not isinstance(backends, Sequence) or not backends:
-        raise ConfigError("backends must be a non-empty sequence of NIXL backend names")
-    names = list(backends)
-    if any(type(b) is not str or not b for b in names) or len(set(names)) != len(names):
-        raise ConfigError(f"backends must be distinct non-empty names, got {names!r:.100}")
-    params: dict[str, dict[str, object]] = {b: {} for b in names}
-    if backend_params is not None:
-        if not isinstance(backend_params, Mapping):
-            raise ConfigError("backend_params must map backend name -> {param: value}")
-        for backend, values in backend_params.items():
-            if backend not in params:
-                raise ConfigError(f"backend_params names {backend!r}, which is not in backends")
-            if not isinstance(values, Mapping):
-                raise ConfigError(f"backend_params[{backend!r}] must be a mapping")
-            for key, value in values.items():
-                if type(key) is not str or not key or not _param_ok(value):
-                    raise ConfigError(
-                        f"backend_params[{backend!r}][{key!r:.40}]: need a str key and a str, "
-                        f"int, bool or list of str/int value, got {value!r:.40}"
-                    )
-                params[backend][key] = value
-    if type(progress_thread) is not bool:
-        raise ConfigError(f"progress_thread must be a bool, got {progress_thread!r}")
-    if sync_mode not in SYNC_MODES:
-        raise ConfigError(f"sync_mode must be one of {SYNC_MODES}, got {sync_mode!r}")
-    return params
-
-
-def _param_ok(value: object) -> bool:
-    if isinstance(value, (str, int, bool)):
-        return True
-    return isinstance(value, Sequence) and all(isinstance(v, (str, int)) for v in value)
+    params = {} if backend_params is None else backend_params
+    raw = {"agent": agent, "backends": backends, "backend_params": params}
+    raw.update(progress_thread=progress_thread, sync_mode=sync_mode, close_timeout=close_timeout)
+    opts = build_options(_Options, raw, what="NixlTransport")
+    names = opts.backends
+    if len(set(names)) < len(names) or not set(opts.backend_params) <= set(names):
+        raise ConfigError(f"backends must be distinct names covering backend_params, got {names}")
+    return {b: dict(opts.backend_params.get(b, {})) for b in names}
 
 
 @dataclass(frozen=True, slots=True)

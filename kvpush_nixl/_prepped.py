@@ -1,12 +1,9 @@
 """Prepared descriptor lists of one route, and checks of the indices into them.
 
-``prep_xfer_dlist`` validates rows and resolves their registrations once;
-``make_prepped_xfer`` then takes two index arrays per transfer (int32: NIXL's
-binding converts other integer dtypes, but int32 is what it stores, so we
-convert once here, after the bounds check that keeps a huge index from
-wrapping onto a valid one). The lengths of paired entries must match; NIXL
-checks that before posting but answers only ``NIXL_ERR_INVALID_PARAM``, so on
-a refusal we find and name the entry.
+Indices become int32 (what NIXL's binding stores) after the bounds check that
+keeps a huge index from wrapping onto a valid one. NIXL refuses paired entries
+of different lengths with a bare ``NIXL_ERR_INVALID_PARAM``, so on a refusal we
+find and name the entry.
 """
 
 from __future__ import annotations
@@ -14,17 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.typing import NDArray
 
 from kvpush.runtime import TransportError
 
-from ._agent import Agent, Handle
+from ._agent import I32, U64, Handle, NixlAgent
 from ._memory import MemoryMap, check_rows, explained
 
 __all__ = ("Prepped", "check_indices", "explain_indices", "prepare")
-
-I32 = NDArray[np.int32]
-U64 = NDArray[np.uint64]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -38,9 +31,9 @@ class Prepped:
 
 
 def prepare(
-    agent: Agent, peer: str, local: object, remote: object, mine: MemoryMap, theirs: MemoryMap
+    nixl: NixlAgent, peer: str, local: object, remote: object, mine: MemoryMap, theirs: MemoryMap
 ) -> Prepped:
-    """Prepare local rows and ``peer``'s rows (both sides, on the initiator)."""
+    """Prepare local rows and the rows of NIXL agent ``peer`` (both sides, on the initiator)."""
     rows_l = check_rows(local, "local rows")
     rows_r = check_rows(remote, "remote rows")
     if not rows_l.shape[0] or not rows_r.shape[0] or max(len(rows_l), len(rows_r)) >= 1 << 31:
@@ -49,13 +42,13 @@ def prepare(
     side_r = (theirs, rows_r, f"rows of {peer!r}")
     mem_l, mem_r = mine.classify(rows_l, side_l[2]), theirs.classify(rows_r, side_r[2])
     try:
-        lh = agent.prep(None, rows_l, mem_l)
+        lh = nixl.prep(None, rows_l, mem_l)
     except TransportError as exc:
         raise explained(exc, side_l) from None
     try:
-        rh = agent.prep(peer, rows_r, mem_r)
+        rh = nixl.prep(peer, rows_r, mem_r)
     except TransportError as exc:
-        agent.release(lh)
+        nixl.release(lh)
         raise explained(exc, side_r) from None
     return Prepped(lh, rh, rows_l[:, 1].copy(), rows_r[:, 1].copy())
 

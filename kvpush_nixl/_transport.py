@@ -1,30 +1,10 @@
 """``NixlTransport``: kvpush's data-plane transport over NIXL (one agent per rank).
 
-How it maps the :class:`~kvpush.runtime.Transport` contract onto NIXL:
-
-* **Identity.** The logical name (``agent``) is stable across restarts; each
-  transport draws an 8-byte instance token and names its NIXL agent
-  ``agent#<hex token>``. :meth:`metadata` wraps NIXL's metadata with both
-  (``_meta``), so :meth:`add_peer` tells "same peer again" (a no-op) from "the
-  peer restarted" (drop the old instance: its posted transfers fail, its
-  prepared lists are released, its NIXL agent is removed).
-* **Posting.** Rows are checked and typed against the registered spans of both
-  sides (``_memory``) before NIXL sees them, so a refusal names the row; then
-  ``initialize_xfer`` + ``transfer`` (rows), or ``make_prepped_xfer`` +
-  ``transfer`` on lists prepared once per route (by index). The notice rides
-  on the transfer (``notif_msg``): NIXL delivers it after the data.
-* **Progress.** :meth:`poll` calls ``check_xfer_state`` on every posted
-  transfer (over TCP an initiator's notification only leaves when it does) and
-  ``get_new_notifs`` (a *target* that does not poll stalls writes to it), then
-  releases settled handles. It never blocks. A NIXL exception while checking
-  (``nixlRemoteDisconnectError`` within ~0.3 ms of a peer's death) becomes
-  ``Completed(handle, error)``.
-* **Handles** are our own integers from a counter, never NIXL objects.
-
-Threads: the runtime calls one transport from one thread, but a lock guards
-every method anyway, and the NIXL agent runs with an explicit lock mode
-(STRICT by default): NIXL's default with the listener off is *no* locking, and
-a thread posting while another polled hung 3 times out of 3.
+``agent`` is the logical name (a ``str``, stable across restarts); the NIXL
+agent object is ``nixl`` and its name, ``agent#<instance hex>``, a
+``nixl_name``. Identity and restarts, posting, progress and threads (why every
+method takes a lock and the agent runs in STRICT mode): docs/operations.md.
+Handles are our own integers, never NIXL objects.
 """
 
 from __future__ import annotations
@@ -34,23 +14,20 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
 from kvpush.protocol import ConfigError, KVLayout
-from kvpush.runtime import Completed, Descriptors, Indices, Notice, TransportError
+from kvpush.runtime import Completed, Descriptors, Indices, Notice, PreppedTransport, TransportError
 
-from ._agent import Agent, Handle
+from ._agent import Handle, NixlAgent
 from ._books import Notices, Transfers
 from ._memory import MemoryMap, check_rows, explained, layout_spans
 from ._meta import decode_metadata, encode_metadata, new_instance, nixl_name
 from ._options import PrepRule, validate_options
 from ._prepped import Prepped, check_indices, explain_indices, prepare
 from ._ucx import apply_vram_defaults
-
-if TYPE_CHECKING:
-    from kvpush.runtime import PreppedTransport
 
 __all__ = ("MAX_NOTICE_BYTES", "NixlTransport")
 
@@ -72,42 +49,12 @@ class _Peer:
 
 
 class NixlTransport:
-    """One rank's data plane over NIXL (see the module docs).
+    """One rank's data plane over NIXL; the options are in docs/operations.md.
+    ``vram=True`` sets UCX's VRAM defaults first (``_ucx.py``); ``prep_rule``
+    decides :meth:`prefers_prepped` (default: the measured :class:`PrepRule`).
 
-    ``NixlTransport(agent)`` creates a NIXL agent with the UCX backend, no
-    progress thread and no listener. ``backends`` names the NIXL backends to
-    create (``("LIBFABRIC",)`` on EFA hosts), ``backend_params`` their init
-    parameters (``{"UCX": {"num_threads": 2}}``; values become strings, lists
-    are comma-joined). ``progress_thread`` turns NIXL's progress thread on (off
-    by default: see ``docs/operations.md`` for the measurements). ``sync_mode``
-    is the agent's lock mode, ``"STRICT"`` or ``"RW"``. :meth:`close` waits up
-    to ``close_timeout`` seconds for transfers NIXL cannot cancel.
-    ``vram``: this transport will register VRAM, so UCX's VRAM defaults
-    (``_ucx.py``) are set first, where the user set nothing.
-    ``prep_rule`` decides :meth:`prefers_prepped` (default: the measured
-    :class:`PrepRule`; ``PrepRule(min_merge_ratio=0, min_rows=0)`` always
-    posts by index).
-
-    Misuse of the constructor raises :class:`~kvpush.protocol.ConfigError`;
-    NIXL missing or failing to start raises
-    :class:`~kvpush.runtime.TransportError` (with install instructions).
-    """
-
-    __slots__ = (
-        "_agent",
-        "_close_timeout",
-        "_closed",
-        "_instance",
-        "_layout",
-        "_lock",
-        "_memory",
-        "_name",
-        "_notices",
-        "_peers",
-        "_registered",
-        "_rule",
-        "_transfers",
-    )
+    Bad options raise :class:`~kvpush.protocol.ConfigError`; NIXL missing or
+    failing to start, :class:`~kvpush.runtime.TransportError`."""
 
     def __init__(
         self,
@@ -128,9 +75,9 @@ class NixlTransport:
             apply_vram_defaults()
         if prep_rule is not None and not isinstance(prep_rule, PrepRule):
             raise ConfigError(f"prep_rule must be a PrepRule, got {type(prep_rule).__name__}")
-        self._name = agent
+        self._agent = agent
         self._instance = new_instance()
-        self._agent = Agent(
+        self._nixl = NixlAgent(
             nixl_name(agent, self._instance),
             params,
             progress_thread=progress_thread,
@@ -144,13 +91,13 @@ class NixlTransport:
         self._memory = MemoryMap(())
         self._registered: list[Handle] = []
         self._peers: dict[str, _Peer] = {}
-        self._transfers = Transfers(self._agent)
+        self._transfers = Transfers(self._nixl)
         self._notices = Notices(agent)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (
-            f"NixlTransport(agent={self._name!r}, nixl={self._agent.name!r}, "
+            f"NixlTransport(agent={self._agent!r}, nixl={self._nixl.name!r}, "
             f"peers={len(self._peers)}, posted={len(self._transfers)}, {state})"
         )
 
@@ -165,17 +112,15 @@ class NixlTransport:
     ) -> None:
         self.close()
 
-    # --- properties --------------------------------------------------------------
-
     @property
     def agent(self) -> str:
         """The logical name (stable across restarts)."""
-        return self._name
+        return self._agent
 
     @property
     def nixl_agent_name(self) -> str:
         """The NIXL agent's name: ``agent#<instance hex>``."""
-        return self._agent.name
+        return self._nixl.name
 
     @property
     def peers(self) -> tuple[str, ...]:
@@ -189,9 +134,7 @@ class NixlTransport:
         """The init parameters NIXL reports for a created backend."""
         with self._lock:
             self._check_open()
-            return self._agent.backend_params(backend)
-
-    # --- Transport -----------------------------------------------------------------
+            return self._nixl.backend_params(backend)
 
     def register(self, layout: KVLayout) -> None:
         """Register each region's memory with NIXL once (type and device from the
@@ -205,7 +148,7 @@ class NixlTransport:
                     raise TransportError("a different KV layout is already registered")
                 return
             spans = layout_spans(layout)
-            self._registered = self._agent.register(spans)
+            self._registered = self._nixl.register(spans)
             self._memory = MemoryMap(spans)
             self._layout = layout
 
@@ -219,7 +162,7 @@ class NixlTransport:
                     "registered memory a peer may write to or read from"
                 )
             return encode_metadata(
-                self._name, self._instance, self._agent.metadata(), self._memory.spans
+                self._agent, self._instance, self._nixl.metadata(), self._memory.spans
             )
 
     def add_peer(self, metadata: bytes, layout: KVLayout | None = None) -> str:
@@ -231,7 +174,7 @@ class NixlTransport:
         with self._lock:
             self._check_open()
             info = decode_metadata(metadata)
-            if info.agent == self._name:
+            if info.agent == self._agent:
                 raise TransportError(f"metadata of {info.agent!r} names this transport's own agent")
             memory = MemoryMap(info.spans)
             if layout is not None:
@@ -241,10 +184,10 @@ class NixlTransport:
             old = self._peers.get(info.agent)
             if old is not None and old.instance == info.instance:
                 return info.agent
-            loaded = self._agent.add_remote(info.nixl)
+            loaded = self._nixl.add_remote(info.nixl)
             if loaded != info.nixl_name:
                 if loaded not in {p.nixl_name for p in self._peers.values()}:
-                    self._agent.remove_remote(loaded)
+                    self._nixl.remove_remote(loaded)
                 raise TransportError(
                     f"NIXL metadata names agent {loaded!r:.80}, the wrapper {info.nixl_name!r:.80}"
                 )
@@ -278,9 +221,9 @@ class NixlTransport:
             self._check_open()
             completed = self._transfers.poll()
             try:
-                arrived = self._agent.notifs()
+                arrived = self._nixl.notifs()
             except TransportError as exc:  # not seen in practice; the next poll retries
-                log.warning("%s: %s", self._name, exc)
+                log.warning("%s: %s", self._agent, exc)
                 arrived = {}
             return completed, self._notices.sort(arrived, self._current)
 
@@ -290,8 +233,6 @@ class NixlTransport:
         with self._lock:
             self._check_open()
             return self._transfers.cancel(handle)
-
-    # --- PreppedTransport ------------------------------------------------------------
 
     def prefers_prepped(self, merged_rows: int, pieces: int) -> bool:
         """Whether posting by index beats posting merged rows (see ``PrepRule``)."""
@@ -308,7 +249,7 @@ class NixlTransport:
                     f"prep key must be hashable, got {type(key).__name__}"
                 ) from None
             prepped = prepare(
-                self._agent, peer.nixl_name, local, remote, self._local_memory(), peer.memory
+                self._nixl, peer.nixl_name, local, remote, self._local_memory(), peer.memory
             )
             old = peer.prepped.get(key)
             peer.prepped[key] = prepped
@@ -327,8 +268,6 @@ class NixlTransport:
         with self._lock:
             return self._post_index("READ", agent, key, local, remote, None)
 
-    # --- teardown ------------------------------------------------------------------
-
     def close(self) -> None:
         """Release everything: posted transfers (cancelled; those NIXL cannot
         cancel get up to ``close_timeout`` s of progress), prepared lists,
@@ -339,22 +278,20 @@ class NixlTransport:
             self._closed = True
             stuck = self._transfers.close(self._close_timeout)
             if stuck:
-                log.warning("%s: NIXL would not release %d transfer(s)", self._name, stuck)
+                log.warning("%s: NIXL would not release %d transfer(s)", self._agent, stuck)
             for peer in list(self._peers.values()):
                 self._drop(peer, "transport closed")
             for reg in self._registered:
-                failure = self._agent.deregister(reg)
+                failure = self._nixl.deregister(reg)
                 if failure is not None:
-                    log.warning("%s: deregistering memory failed: %s", self._name, failure)
+                    log.warning("%s: deregistering memory failed: %s", self._agent, failure)
             self._registered.clear()
             self._notices.clear()
-            self._agent.close()
-
-    # --- internals ---------------------------------------------------------------
+            self._nixl.close()
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TransportError(f"transport {self._name!r} is closed")
+            raise TransportError(f"transport {self._agent!r} is closed")
 
     def _usable_peer(self, agent: str) -> _Peer:
         self._check_open()
@@ -381,7 +318,7 @@ class NixlTransport:
         mem_l = memory.classify(mine, "local rows")
         mem_r = peer.memory.classify(theirs, f"rows of {agent!r}")
         try:
-            xfer = self._agent.post(op, mine, mem_l, theirs, mem_r, peer.nixl_name, payload)
+            xfer = self._nixl.post(op, mine, mem_l, theirs, mem_r, peer.nixl_name, payload)
         except TransportError as exc:
             sides = (memory, mine, "local rows"), (peer.memory, theirs, f"rows of {agent!r}")
             raise explained(exc, *sides) from None
@@ -397,7 +334,7 @@ class NixlTransport:
         if not li.size:
             return self._nothing_to_move(peer, payload)
         try:
-            xfer = self._agent.post_prepped(op, prepped.local, li, prepped.remote, ri, payload)
+            xfer = self._nixl.post_prepped(op, prepped.local, li, prepped.remote, ri, payload)
         except TransportError as exc:
             detail = explain_indices(prepped, li, ri)
             raise (TransportError(f"{detail}; {exc}") if detail else exc) from None
@@ -406,7 +343,7 @@ class NixlTransport:
     def _nothing_to_move(self, peer: _Peer, notice: bytes) -> int:
         """An empty transfer: a WRITE's notice goes alone (no data to precede)."""
         if notice:
-            self._agent.send_notif(peer.nixl_name, notice)
+            self._nixl.send_notif(peer.nixl_name, notice)
         return self._transfers.settled_now()
 
     def _prepped(self, peer: _Peer, key: object) -> Prepped:
@@ -419,8 +356,8 @@ class NixlTransport:
 
     def _release_prepped(self, prepped: Prepped) -> None:
         for handle in (prepped.local, prepped.remote):
-            if not self._agent.release(handle):
-                log.warning("%s: releasing a prepared list failed", self._name)
+            if not self._nixl.release(handle):
+                log.warning("%s: releasing a prepared list failed", self._agent)
 
     def _current(self, agent: str) -> str | None:
         peer = self._peers.get(agent)
@@ -433,9 +370,9 @@ class NixlTransport:
         for prepped in peer.prepped.values():
             self._release_prepped(prepped)
         peer.prepped.clear()
-        failure = self._agent.remove_remote(peer.nixl_name)
+        failure = self._nixl.remove_remote(peer.nixl_name)
         if failure is not None:
-            log.warning("%s: removing %s failed: %s", self._name, peer.nixl_name, failure)
+            log.warning("%s: removing %s failed: %s", self._agent, peer.nixl_name, failure)
         self._notices.retire(peer.nixl_name)
 
 
@@ -451,7 +388,4 @@ def _notice(notice: object) -> bytes:
     return bytes(notice)
 
 
-if TYPE_CHECKING:
-
-    def _is_a_prepped_transport(t: NixlTransport) -> PreppedTransport:  # mypy checks it
-        return t
+_IS_A_PREPPED_TRANSPORT: type[PreppedTransport] = NixlTransport  # mypy checks the Protocol

@@ -1,17 +1,12 @@
 """Per-request breakdown: where one request's time went inside the engines.
 
-The core's :class:`~kvpush.protocol.Timeline` has the protocol's moments
-(registration, KV ready, each write's planning, posting and settling, each
-notice seen by the decode's data plane, Ready handed to the scheduler). The
-connector adds what only vLLM's side can see: when the scheduler first looked
-at the request, when vLLM learnt its KV had arrived (``finished_recving``),
-and when the request was first scheduled to decode. With
-``timeline_file`` set, each finished transfer is one JSON line there, every
-time on ``time.monotonic()`` (one clock for every process of a host), so a
-benchmark can join the lines of the router, the prefill and the decode by
-transfer id (``benchmarks/vllm_peer.py``).
-
-Off by default: without a file nothing is stamped or kept.
+The core's :class:`~kvpush.protocol.Timeline` has the protocol's moments; the
+connector adds what only vLLM's side sees: when the scheduler first looked at
+the request, when vLLM learnt its KV had arrived (``finished_recving``), and
+its first decode step. With ``timeline_file`` set, each finished transfer is
+one JSON line there, on ``time.monotonic()`` (one clock for every process of
+a host), so ``benchmarks/vllm_peer.py`` joins the router's, the prefill's and
+the decode's lines by transfer id. Off, nothing is stamped or kept.
 """
 
 from __future__ import annotations

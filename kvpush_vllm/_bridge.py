@@ -1,21 +1,16 @@
 """The scheduler side's data plane: a stand-in that carries the pump's
 transfers to the worker processes and their results back.
 
-In vLLM the KV tensors live in the worker processes (one per TP rank), while
-the connector's scheduler side runs in the engine-core process, with the
-protocol endpoint and the control channel. :class:`WorkerBridge` implements
-the pump's :class:`~kvpush.runtime.DataPlaneLike`: a ``StartWrite`` or
-``StartRead`` the core emits waits here until the next
-``build_connector_meta`` ships it to the workers (the rank that serves its
-route posts it on its own :class:`~kvpush.runtime.DataPlane`); their results
-and the completion notices they received come back through
-``update_connector_output``, where the scheduler side feeds them to the core
-itself (``SchedulerSide.results``).
+In vLLM the KV tensors live in the worker processes (one per TP rank), the
+protocol endpoint and control channel in the engine-core process.
+:class:`WorkerBridge` is the pump's :class:`~kvpush.runtime.DataPlaneLike`
+there: an op the core emits waits here until ``build_connector_meta`` ships it
+to the workers (the rank that serves its route posts it); their results come
+back through ``update_connector_output`` (``SchedulerSide.results``).
 
-Threads: the pump calls :meth:`submit` and :meth:`add_peer` from whichever
-thread fed the core (its loop, or vLLM's scheduler thread calling the core
-under the runtime's lock); vLLM calls :meth:`take` on the scheduler thread.
-One lock guards the queues.
+Threads: the pump calls in from whichever thread fed the core (its loop, or
+vLLM's scheduler thread under the runtime's lock); vLLM calls :meth:`take` on
+the scheduler thread. One lock guards the queues.
 """
 
 from __future__ import annotations
@@ -56,12 +51,9 @@ class WorkerBridge:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._out = Outbound()
-        self._peers: dict[str, PeerRanks] = {}
         self._on_results: Callable[[list[Result]], None] | None = None
         self._stopped = False
         self.error: BaseException | None = None
-        self.posted = 0
-        self.bytes_posted = 0  # counted by the workers; kept for the metrics' sake
         #: Decode: the workers' layouts when every one has a staging pool
         #: (their reservations then ask for slots); empty: none is staged.
         self.staging_layouts: list[KVLayout] = []
@@ -88,13 +80,10 @@ class WorkerBridge:
 
     def submit(self, action: StartWrite | StartRead) -> None:
         with self._lock:
-            if self._stopped:
-                failed = True
-            else:
-                failed = False
+            stopped = self._stopped
+            if not stopped:
                 self._out.actions.append(action)
-                self.posted += 1
-        if failed and self._on_results is not None:
+        if stopped and self._on_results is not None:
             self._on_results([OpResult(action, "the connector stopped")])
 
     def cancel(self, cancel: Cancel) -> None:
@@ -106,7 +95,6 @@ class WorkerBridge:
 
     def add_peer(self, peer: PeerRanks) -> None:
         with self._lock:
-            self._peers[peer.peer] = peer
             self._out.peers.append(peer)
 
     def stage_need(self, blocks: list[list[int]]) -> int:
@@ -126,15 +114,11 @@ class WorkerBridge:
     def unstage(self, transfer_id: str, epoch: int) -> None:
         """Ship the drop with the next step. The workers apply it before that
         step's forward; ``SchedulerSide`` frees a released reservation's
-        blocks only once that is certain (``staged_release``)."""
+        blocks only once that is certain (its ``_releasing``)."""
         with self._lock:
             if (transfer_id, epoch) in self._staged:
                 self._staged.discard((transfer_id, epoch))
                 self._out.staging.dropped.append((transfer_id, epoch))
-
-    def is_staged(self, transfer_id: str, epoch: int) -> bool:
-        with self._lock:
-            return (transfer_id, epoch) in self._staged
 
     # --- vLLM's side -------------------------------------------------------------
 
@@ -149,8 +133,3 @@ class WorkerBridge:
         with self._lock:
             out = self._out
             return bool(out.actions or out.staging.records or out.staging.dropped)
-
-    def known_peers(self) -> list[PeerRanks]:
-        """Every peer's ranks so far (for a worker that joins late)."""
-        with self._lock:
-            return list(self._peers.values())

@@ -1,34 +1,23 @@
 """The handoff contract: every ``kv_transfer_params`` shape kvpush accepts,
-parsed in one place, and what a prefill answers (docs/contract.md).
+parsed in one place, and what a prefill answers (docs/contract.md, the
+reference for routers).
 
-A leg's parameters become one :class:`~kvpush_vllm._params.TransferParams`
-(transfer id, role, mode, peer) whatever router sent them:
+Every shape becomes one :class:`~kvpush_vllm._params.TransferParams`: kvpush's
+own object (``_params.py``); vLLM's NixlConnector prefill leg (the prefill
+mints the transfer id and answers a sealed ``kvpush`` decode leg, pull);
+llm-d's NIXL push legs (the prefill answers its identity); MoRI-IO WRITE legs
+(the prefill's address in vllm-router's request id: only with
+``router_discovery``, so a real MoRI-IO deployment is never misread).
 
-* ``kvpush``: kvpush's own object (``kvpush router``, or a prefill's sealed
-  answer copied by a router), :mod:`kvpush_vllm._params`;
-* ``nixl``: vLLM's NixlConnector prefill leg (``do_remote_decode``, no
-  transfer id), as ``vllm-router`` sends it in its default mode. The prefill
-  mints the transfer id and answers a sealed ``kvpush`` decode leg (pull);
-* ``llmd``: llm-d's NIXL push (a prefill leg with a ``transfer_id``; a decode
-  leg with the prefill's identity and ``transfer_mode: "push"``). The prefill
-  answers its identity;
-* ``moriio``: MoRI-IO WRITE legs (``transfer_id`` and ``do_remote_*``), the
-  prefill's address in the request id. Only with ``router_discovery``
-  configured: a real MoRI-IO deployment is never misread.
-
-A decode leg names the prefill to connect to, and a client can put that name
-in a request (a router copies a client's parameters when the prefill answers
-none). So a decode acts on a peer only when the parameters carry a valid
-seal (an HMAC under the shared ``secret``) or the peer is in
-``allowed_peers``; otherwise it refuses the parameters and computes the
-request itself.
-
-A refusal has a class (:data:`REFUSALS`, which names its fix). A decode that
-refuses a leg it trusts for another reason tells the prefill to release the
-KV at once (``SchedulerSide.decline``): the refused :class:`ParamsError`
-carries that leg. A release (:func:`release_params`) is the router's word to
-the prefill that a decode leg failed before the decode's engine saw it;
-sealed under a distinct label, so a decode leg's seal never releases.
+Trust: a decode leg names the prefill to connect to, and a client can put that
+name in a request (a router copies a client's parameters when the prefill
+answers none). So a decode acts on a peer only when the leg carries a valid
+seal (an HMAC under the shared ``secret``) or the peer is in ``allowed_peers``;
+otherwise it refuses the leg and computes the request itself. Every refusal
+has a class (:data:`REFUSALS`, naming its fix); a refused :class:`ParamsError`
+carries a leg the decode trusts, whose prefill it tells to release the KV at
+once. A release (:func:`release_params`) is sealed under a distinct label, so a
+decode leg's seal never releases.
 """
 
 from __future__ import annotations
@@ -184,43 +173,45 @@ class Contract:
             return None
         if not isinstance(params, Mapping):
             raise ParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
-        remote_decode, remote_prefill = (_flag(params, k) for k in _NIXL_FLAGS)
-        if remote_decode and remote_prefill:
-            raise ParamsError(
-                "do_remote_decode and do_remote_prefill are both true", "contradictory"
-            )
-        if RELEASE_KEY in params:
-            return self._release(params, serves, remote_decode or remote_prefill)
-        if PARAMS_KEY in params:
-            leg = TransferParams.from_params(params)
-            if remote_decode or remote_prefill:
-                raise ParamsError(
-                    f"ambiguous: both a {PARAMS_KEY!r} object and NIXL's do_remote_* flags",
-                    "ambiguous",
-                    None if leg is None else self._declinable(leg, params, serves),
-                )
-            if leg is None:  # "kvpush": null, as if absent
-                return None
-        elif remote_decode:
-            leg = self._nixl_prefill(params, request_id)
-        elif remote_prefill:
-            leg = self._nixl_decode(params, request_id)
-        else:
-            return None
-        assert leg is not None
+        leg = self._leg(params, request_id, serves)
+        if not isinstance(leg, TransferParams):
+            return leg
         if leg.role != serves:
             raise ParamsError(
                 f"a {leg.role} leg reached an instance that serves {serves} legs", "wrong_role"
             )
-        if serves == "decode":
-            why = self._distrust(leg, params)
-            if why is not None:
-                raise ParamsError(
-                    f"the decode leg names prefill {leg.peer!r}, which is not in "
-                    f"allowed_peers, and {why}",
-                    "untrusted",
-                )
+        why = self._distrust(leg, params) if serves == "decode" else None
+        if why is not None:
+            raise ParamsError(
+                f"the decode leg names prefill {leg.peer!r}, which is not in "
+                f"allowed_peers, and {why}",
+                "untrusted",
+            )
         return leg
+
+    def _leg(
+        self, raw: Mapping[str, Any], request_id: str, serves: LegRole
+    ) -> TransferParams | Release | None:
+        """What ``raw`` holds, whatever its shape, before the role and trust checks."""
+        remote_decode, remote_prefill = (_flag(raw, k) for k in _NIXL_FLAGS)
+        if remote_decode and remote_prefill:
+            raise ParamsError(
+                "do_remote_decode and do_remote_prefill are both true", "contradictory"
+            )
+        if RELEASE_KEY in raw:
+            return self._release(raw, serves, remote_decode or remote_prefill)
+        if PARAMS_KEY in raw:
+            leg = TransferParams.from_params(raw)  # "kvpush": null, as if absent
+            if remote_decode or remote_prefill:
+                raise ParamsError(
+                    f"ambiguous: both a {PARAMS_KEY!r} object and NIXL's do_remote_* flags",
+                    "ambiguous",
+                    None if leg is None else self._declinable(leg, raw, serves),
+                )
+            return leg
+        if remote_decode:
+            return self._nixl_prefill(raw, request_id)
+        return self._nixl_decode(raw, request_id) if remote_prefill else None
 
     def _declinable(
         self, leg: TransferParams, raw: Mapping[str, Any], serves: LegRole

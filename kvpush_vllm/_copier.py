@@ -1,26 +1,24 @@
-"""The device copier: the gathers and scatters of staged transfers, in torch.
+"""The device copier: the gathers and scatters of staged transfers, in torch
+(``kvpush.runtime.Copier``; the runtime copies host memory itself, and torch
+is imported only here, in the vLLM shim: docs/architecture.md).
 
-The runtime defines what a copier does (``kvpush.runtime.Copier``) and copies
-host memory itself (``HostCopier``); device memory needs the device's own
-kernels, and torch is imported only here, in the vLLM shim (docs/architecture.md).
-
-Rows are ``(address, length, device)``; every address must fall inside one of
-the tensors the copier was built with (the KV caches and the staging pool).
-Rows of one length whose offsets are multiples of it are copied as rows of a
-2-D view, eight bytes per element where the length allows: ``index_select``
-straight into the destination when it is one contiguous run (a gather),
-``index_copy_`` out of a contiguous source (a scatter), both otherwise. On one
-H200 (issue 27): ``index_select`` 1.8 TB/s; ``index_copy_`` 1.7 TB/s on 8-byte
-elements but 0.37 on bytes. Anything else is copied row by row. The copies
-run on the copier's own stream, and :meth:`TorchCopier.copy` returns once
-they are done (the stream is synchronized): a gathered slot is complete
-before the write that reads it is posted, and a scatter is complete before
-its notice reaches the core.
+Rows are ``(address, length, device)``, every address inside one of the
+tensors the copier was built with (the KV caches and the staging pool). Rows
+of one length at offsets that are multiples of it are copied as rows of a 2-D
+view, eight bytes per element where the length allows: ``index_select``
+straight into a contiguous destination (a gather), ``index_copy_`` out of a
+contiguous source (a scatter), both otherwise; anything else row by row. On
+one H200 (issue 27): ``index_select`` 1.8 TB/s; ``index_copy_`` 1.7 TB/s on
+8-byte elements but 0.37 on bytes. The copies run on the copier's own stream
+and :meth:`TorchCopier.copy` returns once it is synchronized: a gathered slot
+is complete before the write that reads it is posted, a scatter before its
+notice reaches the core.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -59,8 +57,7 @@ class TorchCopier:
         di, do = self._locate(dst, "destination")
         lens = src[:, 1].astype(np.int64)
         keys = (si * len(self._flats) + di) * (1 << 40) + lens
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nothing()
-        with ctx:
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
             for key in np.unique(keys):
                 pick = keys == key
                 self._group(
@@ -89,12 +86,11 @@ class TorchCopier:
         dv = _rows(d_flat, length, dtype, unit)
         s_idx, d_idx = so // length, do // length
         n = s_idx.size
-        if si == di:  # one tensor on both sides: torch refuses overlapping in-place copies
-            dv.index_copy_(0, self._index(d_idx), sv.index_select(0, self._index(s_idx)))
-        elif n > 1 and (np.diff(d_idx) == 1).all():
+        # One tensor on both sides: torch refuses overlapping in-place copies.
+        if si != di and n > 1 and (np.diff(d_idx) == 1).all():
             lo = int(d_idx[0])
             torch.index_select(sv, 0, self._index(s_idx), out=dv[lo : lo + n])
-        elif n > 1 and (np.diff(s_idx) == 1).all():
+        elif si != di and n > 1 and (np.diff(s_idx) == 1).all():
             lo = int(s_idx[0])
             dv.index_copy_(0, self._index(d_idx), sv[lo : lo + n])
         else:
@@ -107,11 +103,3 @@ class TorchCopier:
 def _rows(flat: torch.Tensor, length: int, dtype: torch.dtype, unit: int) -> torch.Tensor:
     whole = flat.numel() // length * length
     return flat[:whole].view(dtype).view(-1, length // unit)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -1,19 +1,13 @@
 """A doorbell from the workers to the scheduler side: "I have results".
 
-A decode engine that only waits for remote KV steps with nothing scheduled;
-each such step waits up to ``idle_wait`` in ``build_connector_meta``
-(``SchedulerSide._idle_wait``) instead of letting vLLM spin. But the push
-notice, or the pull read's completion, lands in a *worker* process, and
-reaches the scheduler only with that worker's output at the end of the step:
-after the wait. So a worker's data-plane thread rings the scheduler side's
-doorbell (one UDP datagram) whenever it has results, and the wait ends then:
-the step runs at once and ``update_connector_output`` hears the load finished
-in that step.
-
-The bell is a hint, never the message: the results still travel in vLLM's
-worker metadata, a lost or stale ring costs at most one wait or one early
-step, and a bell that cannot reach the doorbell (a worker on another host)
-changes nothing but the latency.
+An idle decode step waits up to ``idle_wait`` (``SchedulerSide._idle_wait``)
+instead of letting vLLM spin, but a push notice or a read's completion lands
+in a *worker* process and reaches the scheduler only with the step's output,
+after the wait. So a worker rings the scheduler side's doorbell (one UDP
+datagram) whenever it has results: the wait ends, the step runs at once, and
+``update_connector_output`` hears the load finished in that step. The bell is
+a hint, never the message: a lost or stale ring costs at most one wait or one
+early step, and a worker on another host changes nothing but the latency.
 """
 
 from __future__ import annotations

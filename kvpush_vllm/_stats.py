@@ -1,18 +1,13 @@
 """kvpush's numbers through vLLM's connector stats and Prometheus hooks.
 
-Each worker reports, per step, what its data plane did since the last step,
-and the scheduler side what its core holds and how long phases took
-(:meth:`~kvpush_vllm.connector.KvpushConnector.get_kv_connector_stats`; vLLM
-merges the scheduler's into the workers'). vLLM aggregates them over workers
-and steps (:meth:`KvpushStats.aggregate`: counters add up, a gauge keeps its
-latest value, phase durations gather), logs the interval
-(:meth:`KvpushStats.reduce`) and feeds :class:`KvpushPromMetrics`, named like
-vLLM's own metrics (``vllm:kvpush_...``).
-
-Keys: a counter by its name (:data:`COUNTERS`), a gauge as ``g:<kind>``
-(:data:`GAUGES`), a phase's durations as ``h:<phase>`` (:data:`PHASES`), the
-legs refused for a reason as ``r:<reason>`` (``_contract.REFUSALS``; one
-counter, ``vllm:kvpush_params_refused_total{reason=...}``).
+Each worker reports what its data plane did since the last step, the
+scheduler side what its core holds and how long phases took (vLLM merges
+both). vLLM aggregates them (:meth:`KvpushStats.aggregate`: counters add up,
+a gauge keeps its latest value, phase durations gather), logs the interval
+(:meth:`KvpushStats.reduce`) and feeds :class:`KvpushPromMetrics`. Keys: a
+counter by its name (:data:`COUNTERS`), a gauge as ``g:<kind>``
+(:data:`GAUGES`), a phase's durations as ``h:<phase>`` (:data:`PHASES`), legs
+refused as ``r:<reason>`` (``_contract.REFUSALS``; :data:`REFUSED`).
 """
 
 from __future__ import annotations
@@ -118,10 +113,15 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         engines = per_engine_labelvalues.items()
-        self._counters: dict[str, dict[int, Any]] = {}
-        for key, (name, doc) in COUNTERS.items():
-            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-            self._counters[key] = {idx: counter.labels(*values) for idx, values in engines}
+
+        def children(metric: Any, *label: str) -> dict[int, Any]:
+            return {idx: metric.labels(*values, *label) for idx, values in engines}
+
+        #: stats key (a counter's, or ``r:<reason>``) -> the counter's children.
+        self._counters = {
+            key: children(self._counter_cls(name=name, documentation=doc, labelnames=labelnames))
+            for key, (name, doc) in COUNTERS.items()
+        }
         gauge = self._gauge_cls(
             name="vllm:kvpush_blocks",
             documentation="KV blocks kvpush holds, by kind: "
@@ -129,9 +129,10 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             labelnames=[*labelnames, "kind"],
             multiprocess_mode="mostrecent",
         )
-        self._gauges = {
-            kind: {idx: gauge.labels(*values, kind) for idx, values in engines} for kind in GAUGES
-        }
+        self._gauges = {kind: children(gauge, kind) for kind in GAUGES}
+        for by_engine in self._gauges.values():  # shown from the start, at 0
+            for child in by_engine.values():
+                child.set(0)
         histogram = self._histogram_cls(
             name="vllm:kvpush_phase_seconds",
             documentation="Seconds each transfer spent in a phase: "
@@ -139,35 +140,21 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             labelnames=[*labelnames, "phase"],
             buckets=_BUCKETS,
         )
-        self._phases = {
-            phase: {idx: histogram.labels(*values, phase) for idx, values in engines}
-            for phase in PHASES
-        }
+        self._phases = {phase: children(histogram, phase) for phase in PHASES}
         name, doc = REFUSED
         refused = self._counter_cls(
             name=name, documentation=doc, labelnames=[*labelnames, "reason"]
         )
-        self._refused = {
-            reason: {idx: refused.labels(*values, reason) for idx, values in engines}
-            for reason in REFUSALS
-        }
-        for by_engine in self._gauges.values():  # shown from the start, at 0
-            for child in by_engine.values():
-                child.set(0)
+        self._counters |= {f"r:{reason}": children(refused, reason) for reason in REFUSALS}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
         for key, children in self._counters.items():
-            value = data.get(key, 0)
-            if value:
-                children[engine_idx].inc(value)
+            if data.get(key, 0):
+                children[engine_idx].inc(data[key])
         for kind, children in self._gauges.items():
             if f"g:{kind}" in data:
                 children[engine_idx].set(data[f"g:{kind}"])
         for phase, children in self._phases.items():
             for seconds in data.get(f"h:{phase}", ()):
                 children[engine_idx].observe(seconds)
-        for reason, children in self._refused.items():
-            value = data.get(f"r:{reason}", 0)
-            if value:
-                children[engine_idx].inc(value)

@@ -1,25 +1,17 @@
 """What each engine step costs in the connector: vLLM's calls, timed.
 
-With ``step_profile_file`` set, every call vLLM makes into a connector
-instance is timed (``time.perf_counter_ns``), and one JSON line per step
-cycle is appended to the file: when the cycle ended (``t``,
-``time.monotonic()``, one clock for every process of a host, so that a
-benchmark can tell which of its windows a step ran in), the instance's side
-and role, the number of requests vLLM scheduled in that step, the
-nanoseconds spent in each method since the previous step began, how many
-times each ran, and the round trips to the runtime's thread (``hops``: calls
-that waited for another thread). A cycle starts at ``build_connector_meta``
-(scheduler) or ``bind_connector_metadata`` (worker), so a line also holds
-the end of the step before (``update_connector_output``,
-``request_finished``, ``get_finished``, ...). ``benchmarks/vllm_peer.py``
-sums them per step.
-
-Lines are buffered and written every :data:`FLUSH_EVERY` steps (or second)
-and at shutdown, so the profile costs an append per call. Each write adds a
-``"threads"`` line: the OS ids of kvpush's threads in the process (the
-runtime's loop, the data plane), so a benchmark can read what they take from
-the engine (``/proc/PID/task/TID/stat``), idle and with transfers in
-flight. Off (the default), the connector's methods are not wrapped at all.
+With ``step_profile_file`` set, every call vLLM makes into a connector instance
+is timed, and one JSON line per step cycle is appended to the file: when the
+cycle ended (``t``, ``time.monotonic()``: one clock for every process of a
+host), the instance's side and role, the requests vLLM scheduled, the
+nanoseconds and count of each method's calls since the previous step began,
+and the round trips to the runtime's thread (``hops``). A cycle starts at
+``build_connector_meta`` (scheduler) or ``bind_connector_metadata`` (worker),
+so a line also holds the end of the step before. Lines are buffered (every
+:data:`FLUSH_EVERY` steps or second, and at shutdown) and each write adds a
+``"threads"`` line, the OS ids of kvpush's threads, so a benchmark can read
+what they take from the engine. Off, nothing is wrapped.
+``benchmarks/vllm_peer.py`` reads them (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,45 +1,30 @@
 """vLLM's per-layer KV tensors as a kvpush :class:`~kvpush.protocol.KVLayout`.
 
-``register_kv_caches`` hands the worker one tensor per attention layer.
-:func:`layout_from_tensors` reads each tensor's sizes and strides, never a
-backend's name, and describes it byte for byte; what it cannot prove it
-refuses with the shape and strides in the message (a :class:`ConfigError`
-naming ``kv_layout``). Three families exist (docs/layouts.md):
+:func:`layout_from_tensors` reads each tensor ``register_kv_caches`` hands the
+worker from its sizes and strides, never a backend's name, and describes it
+byte for byte; what it cannot prove it refuses with a :class:`ConfigError`
+naming ``kv_layout`` and giving the shape and strides. The families
+(docs/layouts.md; docs/vllm.md, "Supported and refused"):
 
-* **Packed** (vLLM 0.33 on GPUs, every non-MLA full-attention backend). One
-  int8 buffer holds the whole cache; each layer gets an ``as_strided`` view of
-  logical shape ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``:
-  K and V packed in the last dimension, each token row ``[k | v]``. The
-  physical order is the resolved ``KVCacheLayout``: ``LBHNC`` (head-major
-  blocks, "HND"), ``LBNHC`` (token-major, "NHD"), or their block-outermost
-  forms ``BLHNC`` / ``BLNHC`` (all layers of a block side by side: the block
-  stride spans every layer). One region of kind ``"KV"`` a layer, whose cell
-  is one token's ``[k | v]`` of one head (``head_bytes = 2 * head_size *
-  elem``): a token boundary is a cell boundary, so block-size ratios and
-  head slices cut it exactly. ``LHBNC`` and ``BHLNC`` put heads outside the
-  block (a block is not one run of memory) and are refused. A manager block
-  split into kernel blocks (``num_blocks * ratio`` rows of ``block_size /
-  ratio`` tokens) is one token-major block when the kernel blocks are dense
-  (``LBNHC``), and refused in head-major order, where a block's heads
-  interleave with its kernel blocks.
-* **Split** (vLLM before 0.33): ``(2, num_blocks, block_size, heads,
-  head_size)`` (FlashAttention, CPU) or ``(num_blocks, 2, ...)`` (FlashInfer),
-  NHD or HND inside a block: regions ``"K"`` and ``"V"``.
-* **The CPU tile** (vLLM's CPU backend, ``platform == "cpu"``: the *same*
-  4-D shape as packed ``LBHNC``, so only the platform tells them apart). Its
-  kernels view every (block, head) tile as ``block_size`` K rows then
-  ``block_size`` V rows of ``head_size`` values, the K half *channel-major*
-  with the ``vec`` / ``vec16`` ISAs (value ``c`` of token ``t`` at ``c *
-  block_size + t``; ``tests/e2e/test_cpu_tile.py`` checks it against the
-  kernel). One region of kind ``"tile"`` in HND order with ``2 *
-  block_size`` rows per block (*virtual tokens*: :func:`token_scale` is 2;
-  prefix lengths given to the core are scaled alike), exact **only between
-  tiles of the same size and format**: whole tiles, or whole heads of
-  tiles, are copied (``_proven.handshake_fingerprint`` makes both sides
-  agree on ``block_size`` and ``cpu_attn_isa``).
+* **Packed** (vLLM 0.33 on GPUs): an ``as_strided`` view
+  ``(num_blocks, num_kv_heads, block_size, 2 * head_size)`` of one int8
+  buffer, each token row ``[k | v]``, in ``LBHNC`` / ``BLHNC`` (head-major) or
+  ``LBNHC`` / ``BLNHC`` (token-major) order: one ``"KV"`` region a layer whose
+  cell is one token's ``[k | v]`` of one head, so block-size ratios and head
+  slices cut it exactly. ``LHBNC`` / ``BHLNC`` (heads outside the block) are
+  refused; kernel blocks inside a manager block are one block only when
+  token-major and dense.
+* **Split** (vLLM before 0.33): ``(2, num_blocks, ...)`` or
+  ``(num_blocks, 2, ...)``, NHD or HND blocks: ``"K"`` and ``"V"`` regions.
+* **The CPU tile** (``platform == "cpu"``: the *same* 4-D shape as packed
+  ``LBHNC``): each (block, head) is ``block_size`` K rows, channel-major with
+  the ``vec`` ISAs (value ``c`` of token ``t`` at ``c * block_size + t``),
+  then ``block_size`` V rows. One ``"tile"`` region in HND order with
+  ``2 * block_size`` rows a block (:func:`token_scale` is 2, and prefix
+  lengths given to the core are scaled alike), exact only between tiles of
+  one size and format (``_proven.handshake_fingerprint``).
 
-MLA's latent cache (one "head" of ``head_size`` values per token, no K/V
-pair) is refused by name: nothing here proves it.
+MLA's latent cache is refused by name: nothing here proves it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """The connector's worker side: one TP rank's NIXL agent and data plane.
 
-Each vLLM worker process holds one rank's KV tensors. :class:`WorkerSide`
-registers them with one :class:`~kvpush_nixl.NixlTransport`, runs a
-single-rank :class:`~kvpush.runtime.DataPlane` (its own thread: plans, posts,
-polls, never on vLLM's forward path), and exchanges with the scheduler side
-only through the connector metadata: the transfers to post and the peers'
-rank descriptions go down, results and completion notices come back up.
-
-Every worker gets every action; it posts those whose route it serves (a
-producer rank posts the writes of its ``Source``, a consumer rank the reads
-of its ``consumer_rank``) and ignores the rest.
+:class:`WorkerSide` registers the rank's KV tensors with one
+:class:`~kvpush_nixl.NixlTransport` and runs a single-rank
+:class:`~kvpush.runtime.DataPlane` on its own thread (never on vLLM's forward
+path). It hears from the scheduler side only through the connector metadata:
+the transfers to post and the peers' rank descriptions go down, results and
+notices come back up. Every worker gets every action and posts those whose
+route it serves (a producer rank the writes of its ``Source``, a consumer rank
+the reads of its ``consumer_rank``).
 
 The GPU ordering rule (docs/runtime.md): vLLM calls ``wait_for_save`` when
 the step's forward is *queued*. There :meth:`WorkerSide.computed` records a
@@ -127,23 +125,21 @@ class WorkerSide:
             for tid, epoch, blocks, slot in staging.records:
                 dp.stage(tid, epoch, blocks, slot)
         for action in actions:
+            if not self._serves(action):
+                continue
             if isinstance(action, Cancel):
-                if self._serves_pair(action.source.pp, action.source.tp, action.consumer_rank):
-                    dp.cancel(action)
-            elif self._serves(action):
+                dp.cancel(action)
+            else:
                 dp.submit(action, self._fence if isinstance(action, StartWrite) else None)
 
     def computed(self, progress: Sequence[tuple[str, int]]) -> None:
         """The step's forward is queued (``wait_for_save``): it writes the KV of
         ``progress`` (req id, tokens; may be empty). On a GPU its kernels may
         still run: record the fence later writes wait for (module docs)."""
-        dp = self._dataplane
-        if dp is None:
+        if self._dataplane is None:
             return
         if self._cuda:
             self._fence = _stream_event()
-        if not progress:
-            return
         with self._lock:
             self._computed += [(self.rank, req_id, tokens) for req_id, tokens in progress]
 
@@ -172,14 +168,12 @@ class WorkerSide:
             return {}
         return {"dataplane": dp.native_id}
 
-    def _serves(self, action: StartWrite | StartRead) -> bool:
-        route = action.route
-        return self._serves_pair(route.source.pp, route.source.tp, route.consumer_rank)
-
-    def _serves_pair(self, pp: int, tp: int, consumer_rank: int) -> bool:
+    def _serves(self, action: StartWrite | StartRead | Cancel) -> bool:
+        """Whether this rank posts ``action`` (module docs)."""
+        route = action if isinstance(action, Cancel) else action.route
         if self.role is Role.PRODUCER:
-            return pp * self.tp + tp == self.rank
-        return consumer_rank == self.rank
+            return route.source.pp * self.tp + route.source.tp == self.rank
+        return route.consumer_rank == self.rank
 
     def stats(self) -> dict[str, int]:
         """Counts since the last call (posted, failed, bytes, notices)."""
@@ -206,8 +200,8 @@ class WorkerSide:
         self._bell.ring()
 
     def _fail(self, actions: Sequence[StartWrite | StartRead | Cancel], why: str) -> None:
-        ops = [a for a in actions if not isinstance(a, Cancel)]
-        self._collect([OpResult(a, why) for a in ops if self._serves(a)])
+        ops = [a for a in actions if not isinstance(a, Cancel) and self._serves(a)]
+        self._collect([OpResult(a, why) for a in ops])
 
 
 def _stream_event() -> Fence:

@@ -49,7 +49,7 @@ from kvpush.runtime import CostModel, PeerRanks, Result, decode_rank
 
 from ._bridge import Staged
 from ._config import ConnectorConfig
-from ._contract import REFUSALS, Contract
+from ._contract import Contract
 from ._copier import TorchCopier
 from ._params import LegRole, ParamsError, Release, TransferParams
 from ._progressive import Progress
@@ -68,6 +68,8 @@ __all__ = ("KvpushConnector", "KvpushHandshake", "KvpushMetadata", "KvpushWorker
 log = logging.getLogger("kvpush.vllm")
 
 _ROLES = {"kv_producer": Role.PRODUCER, "kv_consumer": Role.CONSUMER}
+#: Finished by length or stop (not aborted): the request's KV is complete.
+_COMPLETE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
 @dataclass
@@ -128,37 +130,34 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"kvpush supports kv_role kv_producer or kv_consumer, got {ktc.kv_role!r}"
             )
         self._kv_role = _ROLES[ktc.kv_role]
-        self._config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
-        parallel = vllm_config.parallel_config
-        model = vllm_config.model_config
+        self._config = cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        parallel, model = vllm_config.parallel_config, vllm_config.model_config
         self._tp = parallel.tensor_parallel_size
         self._block_size = vllm_config.cache_config.block_size
         self._total_heads = model.get_total_num_kv_heads()
         self._heads = model.get_num_kv_heads(parallel)
         self._head_size = model.get_head_size()
+        progressive = cfg.progressive and self._kv_role is Role.PRODUCER
         # Refuse what make e2e does not prove, before anything starts (_proven.py).
         self._facts = Facts.from_vllm(vllm_config, kv_cache_config)
         facts = self._facts.values()
-        if self._config.progressive and self._kv_role is Role.PRODUCER:
+        if progressive:
             facts["progressive"] = self._facts.platform
-        check_proven(self._facts.platform, facts, self._config.allow_unproven, ktc.kv_role)
+        check_proven(self._facts.platform, facts, cfg.allow_unproven, ktc.kv_role)
         self._sched: SchedulerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(
+                self._kv_role, cfg, self._tp, self._total_heads, self._block_size
+            )
         self._worker: WorkerSide | None = None
         self._local_hits: dict[str, int] = {}
-        cfg = self._config
         self._contract = Contract(cfg.secret, cfg.allowed_peers, cfg.router_discovery is not None)
         #: req id -> its leg, parsed once (the prefill mints transfer ids).
         self._legs: dict[str, TransferParams | None] = {}
         #: Prefill, progressive push: each chunk's blocks go as an increment.
-        self._progress: Progress | None = None
-        if cfg.progressive and self._kv_role is Role.PRODUCER:
-            self._progress = Progress(self._block_size, self._tp)
+        self._progress = Progress(self._block_size, self._tp) if progressive else None
         #: Prefill requests whose transfer was abandoned mid-stream (preempted).
         self._abandoned: set[str] = set()
-        if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(
-                self._kv_role, self._config, self._tp, self._total_heads, self._block_size
-            )
         #: ``step_profile_file``: vLLM's calls into this instance, timed per step.
         self._clock: StepClock | None = None
         if cfg.step_profile_file is not None:
@@ -188,9 +187,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _params(self, request: Any) -> TransferParams | None:
         """The request's leg in any shape of docs/contract.md, parsed once;
-        a leg that breaks the contract is refused (:meth:`_refused`) and
-        treated as none: the request is served as a plain one. A release
+        a leg that breaks the contract is refused (``SchedulerSide.refused``)
+        and treated as none: the request is served as a plain one. A release
         (prefill) releases its transfer's KV now and is a plain request too."""
+        assert self._sched is not None  # the scheduler side parses legs
         req_id = request.request_id
         if req_id in self._legs:
             return self._legs[req_id]
@@ -199,38 +199,14 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         try:
             parsed = self._contract.parse(request.kv_transfer_params, req_id, serves)
         except ParamsError as exc:
-            self._refused(req_id, exc)
+            self._sched.refused(req_id, exc)
         else:
             if isinstance(parsed, Release):
-                if self._sched is not None:
-                    self._sched.release(parsed.transfer_id)
+                self._sched.release(parsed.transfer_id)
             else:
                 leg = parsed
         self._legs[req_id] = leg
         return leg
-
-    def _refused(self, req_id: str, exc: ParamsError) -> None:
-        """Log a refused leg (the first of its class at ERROR, naming the fix;
-        the rest at DEBUG, counted by ``vllm:kvpush_params_refused_total``),
-        and tell its prefill to release the KV when the decode trusts the leg
-        (``exc.leg``: never a leg refused for trust)."""
-        assert self._sched is not None  # the scheduler side parses legs
-        fix = REFUSALS.get(exc.reason, REFUSALS["malformed"])
-        if self._sched.refused(exc.reason):
-            log.error(
-                "kvpush: request %s: kv_transfer_params refused (%s): %s. To fix: %s. The "
-                "request is served without kvpush. Further refusals of this kind are logged "
-                "at DEBUG and counted in vllm:kvpush_params_refused_total{reason=%r}",
-                req_id,
-                exc.reason,
-                exc,
-                fix,
-                exc.reason,
-            )
-        else:
-            log.debug("kvpush: request %s: kv_transfer_params refused: %s", req_id, exc)
-        if exc.leg is not None:
-            self._sched.decline(exc.leg)
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
@@ -247,20 +223,17 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[int | None, bool]:
         if self._sched is None:
             return 0, False
+        req_id, prompt = request.request_id, len(request.prompt_token_ids or ())
         if self._kv_role is not Role.CONSUMER:
             leg = self._params(request)  # at first sight: a release acts now
             if self._sched.breakdown.enabled:
-                self._sched.scheduled(request.request_id, leg)
+                self._sched.scheduled(req_id, leg)
             if self._progress is not None and leg is not None and leg.mode is Mode.PUSH:
-                prompt = len(request.prompt_token_ids or ())
-                self._progress.track(request.request_id, leg.transfer_id, prompt)
+                self._progress.track(req_id, leg.transfer_id, prompt)
             return 0, False
-        prompt = len(request.prompt_token_ids or ())
-        n = self._sched.tokens_to_load(
-            request.request_id, self._params(request), prompt, num_computed_tokens
-        )
+        n = self._sched.tokens_to_load(req_id, self._params(request), prompt, num_computed_tokens)
         if n:
-            self._local_hits[request.request_id] = num_computed_tokens
+            self._local_hits[req_id] = num_computed_tokens
         return n, n > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -320,14 +293,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # vLLM reads finished_recving/sending right after this call: what
             # these results finished is heard in this step (_scheduler.results).
             now = self._sched.results(meta.results)
-            if now.recving:
-                connector_output.finished_recving = (
-                    set(connector_output.finished_recving or ()) | now.recving
-                )
-            if now.sending:
-                connector_output.finished_sending = (
-                    set(connector_output.finished_sending or ()) | now.sending
-                )
+            for name, ids in (("finished_recving", now.recving), ("finished_sending", now.sending)):
+                if ids:
+                    setattr(
+                        connector_output, name, set(getattr(connector_output, name) or ()) | ids
+                    )
             if self._progress is not None and meta.computed:
                 for _, transfer_id, blocks in self._progress.computed(meta.computed):
                     self._sched.kv_increment(transfer_id, blocks)
@@ -349,7 +319,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if params is None or req_id in self._abandoned:
             self._abandoned.discard(req_id)
             return False, None
-        if not _finished_normally(request):
+        if request.status not in _COMPLETE:
             self._sched.abandon(req_id, params)
             return False, None
         ids = block_ids[0] if isinstance(block_ids, tuple) else block_ids
@@ -383,10 +353,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         rank = 0
         if parallel_state.model_parallel_is_initialized():
             rank = parallel_state.get_tensor_model_parallel_rank()
-        if self._tp >= self._total_heads:
-            head_start = rank * self._total_heads // self._tp
-        else:
-            head_start = rank * self._heads
+        total = self._total_heads  # replicated when TP > heads
+        head_start = rank * total // self._tp if self._tp >= total else rank * self._heads
         layout = layout_from_tensors(
             kv_caches,
             block_size=self._block_size,
@@ -464,15 +432,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.computed(meta.progress)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        meta = self._bound()
-        if meta is None:
-            return None, None
+        meta = self._bound() or KvpushMetadata()
         return set(meta.finished_sending) or None, set(meta.finished_recving) or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        meta = self._bound()
-        if meta is None:
-            return KVConnectorTransferResults()
+        meta = self._bound() or KvpushMetadata()
         return KVConnectorTransferResults(
             finished_sending=set(meta.finished_sending),
             finished_recving=set(meta.finished_recving),
@@ -480,20 +444,14 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        meta = self._bound()
-        if meta is None:
-            return set()
+        meta = self._bound() or KvpushMetadata()
         return {b for blocks in meta.load_failures.values() for b in blocks}
 
     def get_kv_connector_stats(self) -> Any:
         """Worker side: its data plane's counts. Scheduler side (vLLM merges
         both): the core's block gauges and phase durations."""
-        if self._worker is not None:
-            stats = self._worker.stats()
-        elif self._sched is not None:
-            stats = self._sched.stats()
-        else:
-            stats = {}
+        side = self._worker or self._sched
+        stats = {} if side is None else side.stats()
         return KvpushStats(data=stats) if stats else None
 
     @classmethod
@@ -521,8 +479,3 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
         meta = self._get_connector_metadata()
         return meta if isinstance(meta, KvpushMetadata) else None
-
-
-def _finished_normally(request: Any) -> bool:
-    """Finished by length or stop (not aborted): its KV is complete."""
-    return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)

@@ -241,29 +241,7 @@ def consumer_main(conn: Connection, mode: str, block: int, pool: int, seed: int,
         del source
         rest = tuple(sorted(set(range(pool)) - set(tables[1])))
         conn.send(("ok",))
-        idle_until = time.monotonic() + IDLE_S
-        while True:
-            for notice in transport.poll()[1]:
-                conn.send(("notice", notice.payload, time.monotonic_ns()))
-            if not conn.poll(NAP_S):
-                if time.monotonic() > idle_until:
-                    raise TimeoutError(f"no command for {IDLE_S:.0f} s")
-                continue
-            cmd = conn.recv()[0]
-            idle_until = time.monotonic() + IDLE_S
-            if cmd == "zero":
-                mem.zero()
-                conn.send(("ok",))
-            elif cmd == "verify":
-                got, others = mem.blocks(pool, tables[1]), mem.blocks(pool, rest)
-                conn.send(("verified", mem.equal(got, expected) and not bool(others.any())))
-            elif cmd == "pull":
-                conn.send(("pulled", *mover.move(None)))
-            elif cmd == "stop":
-                conn.send(("stopped",))
-                return
-            else:
-                raise RuntimeError(f"unknown command {cmd!r}")
+        _consumer_serve(conn, transport, mem, mover, expected, (pool, tables[1], rest))
     except (EOFError, BrokenPipeError):  # the producer is gone
         return
     except Exception as exc:
@@ -273,6 +251,42 @@ def consumer_main(conn: Connection, mode: str, block: int, pool: int, seed: int,
     finally:
         if transport is not None:
             transport.close()
+
+
+def _consumer_serve(
+    conn: Connection,
+    transport: NixlTransport,
+    mem: Mem,
+    mover: Mover,
+    expected: Any,
+    blocks: tuple[int, tuple[int, ...], tuple[int, ...]],
+) -> None:
+    """Serve the producer's commands until ``stop``, polling NIXL between.
+    ``blocks``: the pool size, the destination blocks and every other block."""
+    pool, dst, rest = blocks
+    idle_until = time.monotonic() + IDLE_S
+    while True:
+        for notice in transport.poll()[1]:
+            conn.send(("notice", notice.payload, time.monotonic_ns()))
+        if not conn.poll(NAP_S):
+            if time.monotonic() > idle_until:
+                raise TimeoutError(f"no command for {IDLE_S:.0f} s")
+            continue
+        cmd = conn.recv()[0]
+        idle_until = time.monotonic() + IDLE_S
+        if cmd == "zero":
+            mem.zero()
+            conn.send(("ok",))
+        elif cmd == "verify":
+            got, others = mem.blocks(pool, dst), mem.blocks(pool, rest)
+            conn.send(("verified", mem.equal(got, expected) and not bool(others.any())))
+        elif cmd == "pull":
+            conn.send(("pulled", *mover.move(None)))
+        elif cmd == "stop":
+            conn.send(("stopped",))
+            return
+        else:
+            raise RuntimeError(f"unknown command {cmd!r}")
 
 
 class Consumer:

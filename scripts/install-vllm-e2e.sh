@@ -50,7 +50,7 @@ probe() {
     [[ -x $PY ]] || return 1
     "$PY" - >/dev/null 2>&1 <<'EOF'
 import importlib.metadata as md, sys
-import vllm, nixl._api, kvpush, kvpush_vllm._router, h11, msgpack, anyio, pytest, pytest_timeout
+import vllm, nixl._api, kvpush, kvpush_router._cli, h11, msgpack, anyio, pytest, pytest_timeout
 import hypothesis, pytest_asyncio, zmq
 assert vllm.__version__.startswith("0.32."), vllm.__version__
 for gone in ("torchvision", "torchaudio", "torchcodec"):
@@ -117,7 +117,7 @@ pip_install --no-deps "nixl>=1.0" "nixl-cu12>=1.0"
 
 if ! probe; then
     echo "install-vllm-e2e: installed, but the probe fails:" >&2
-    "$PY" -c 'import vllm, nixl._api, kvpush, kvpush_vllm._router, h11, msgpack, anyio, pytest; print(vllm.__version__)' >&2 || true
+    "$PY" -c 'import vllm, nixl._api, kvpush, kvpush_router._cli, h11, msgpack, anyio, pytest; print(vllm.__version__)' >&2 || true
     exit 1
 fi
 got=$("$PY" -c 'import torch, vllm; print(f"vllm {vllm.__version__}, torch {torch.__version__}")')

@@ -7,6 +7,7 @@ in /dev/shm."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -144,7 +145,7 @@ def test_progressive_push_writes_before_the_prompt_is_done(
     [
         (["--progressive", "--mode", "pull"], "--progressive needs --mode push"),
         (["--link-gbps", "10", "--transport", "nixl"], "--link-gbps needs --transport memory"),
-        (["--link-gbps", "0", "--transport", "memory"], "--link-gbps must be a positive"),
+        (["--link-gbps", "0", "--transport", "memory"], "link_gbps must be a number (Gb/s) > 0"),
     ],
 )
 def test_progressive_and_link_misuse_is_refused(
@@ -185,7 +186,7 @@ def test_the_phases_of_one_request_follow_each_other() -> None:
     """The report's arithmetic on stamps typed in: each phase starts where
     the one before ends (push: the prefill's writes, the decode's notices)."""
     from kvpush.demo._report import CHAIN, _phases, sum_error
-    from kvpush.demo._router import RequestRecord
+    from kvpush.demo._supervisor import RequestRecord
     from kvpush.demo._wire import ConsumerResult, OpsSummary, ProducerResult
 
     ops = OpsSummary(planned=10.004, planning=0.001, posting=0.002, done=10.007)
@@ -344,12 +345,12 @@ def test_ctrl_c_ends_the_demo_cleanly(tmp_path: Path, moment: str) -> None:
     group and no shared memory of the run left. Regressions: a Ctrl-C while
     the children were still starting waited 5 s for each leader to read a
     Stop it could not read yet (3 to 6 s under load), one during a child's
-    fork was dropped (the router ignored SIGINT then), and a second one
+    fork was dropped (the supervisor ignored SIGINT then), and a second one
     could cut the clean-up short."""
     demo = _Background(tmp_path, *LONG_RUN)
     deadline = time.monotonic() + 60
     if moment in ("starting", "leaders starting"):
-        # The router and its first child (the resource tracker, started with
+        # The supervisor and its first child (the resource tracker, started with
         # the first rank); or also both ranks and a leader (importing NIXL).
         processes = 2 if moment == "starting" else 5
         while len(demo.group()) < processes:
@@ -367,7 +368,7 @@ def test_ctrl_c_ends_the_demo_cleanly(tmp_path: Path, moment: str) -> None:
         os.killpg(demo.proc.pid, signal.SIGINT)
     stdout = demo.finish(timeout=CTRL_C_LIMIT + 10)
     while demo.group() and time.monotonic() < sent + CTRL_C_LIMIT:
-        time.sleep(0.02)  # the resource tracker leaves just after the router
+        time.sleep(0.02)  # the resource tracker leaves just after the supervisor
     took = time.monotonic() - sent
     stderr = demo.stderr
     assert took < CTRL_C_LIMIT, (took, demo.group(), stderr)
@@ -380,7 +381,7 @@ def test_ctrl_c_ends_the_demo_cleanly(tmp_path: Path, moment: str) -> None:
     assert sorted(p.name for p in SHM.glob(out["run"] + "*")) == []
 
 
-def test_the_router_takes_one_interrupt_and_never_inside_a_start() -> None:
+def test_the_supervisor_takes_one_interrupt_and_never_inside_a_start() -> None:
     """In process: a SIGINT while a child is being started is held and
     raised once it is on the books (the old code ignored SIGINT there: a
     Ctrl-C then was lost); after the first, and once the shutdown began,
@@ -445,9 +446,18 @@ def test_percentiles() -> None:
 
 
 def test_nixl_is_the_default_transport() -> None:
-    from kvpush.cli import build_parser
+    from kvpush.demo import DemoConfig
 
-    assert build_parser().parse_args(["demo"]).transport == "nixl"
+    parser = build_parser()
+    assert parser.parse_args(["demo"]).transport is None  # not given: DemoConfig's default
+    assert DemoConfig().transport == "nixl"
+    assert "memory copies (default: nixl)" in " ".join(_demo_help(parser).split())
+
+
+def _demo_help(parser: argparse.ArgumentParser) -> str:
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    demo: argparse.ArgumentParser = sub.choices["demo"]
+    return demo.format_help()
 
 
 def test_a_missing_nixl_is_refused_with_the_fix(
@@ -485,17 +495,22 @@ def test_the_xpyd_preset_and_explicit_options_override_it() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--prefills", "9"], "--prefills: must be between 1 and 8, got 9"),
-        (["--decodes", "0"], "--decodes: must be between 1 and 8, got 0"),
+        (["--prefills", "9"], "prefills must be an int in [1, 8], got 9"),
+        (["--decodes", "0"], "decodes must be an int in [1, 8], got 0"),
+        (["--requests", "0"], "requests must be an int >= 1, got 0"),
+        (["--qps", "-1"], "qps must be a number >= 0, got -1.0"),
+        (["--model", "big"], "model must be one of 'qwen3-32b', 'small', got 'big'"),
         (["--preset", "x9yd"], "--preset: invalid choice: 'x9yd'"),
     ],
 )
 def test_bad_instance_options_are_usage_errors(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["demo", *argv])
-    assert exc.value.code == 2
+    try:
+        status = main(["demo", *argv])
+    except SystemExit as exc:  # argparse's own refusals (--preset)
+        status = exc.code  # type: ignore[assignment]
+    assert status == 2
     assert message in capsys.readouterr().err
 
 

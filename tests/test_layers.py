@@ -1,6 +1,6 @@
 """The layers of docs/architecture.md, enforced on every import.
 
-Every ``.py`` of ``kvpush``, ``kvpush_nixl`` and ``kvpush_vllm`` is parsed
+Every ``.py`` of ``kvpush``, ``kvpush_nixl``, ``kvpush_vllm`` and ``kvpush_router`` is parsed
 (no import runs) and every import in it is checked: module-level, inside
 functions, under ``TYPE_CHECKING``, and ``importlib.import_module`` /
 ``__import__`` of a constant name. The rules, with the layer table read from
@@ -40,7 +40,7 @@ from kvpush.runtime import TransportError, transport_kind, transport_kinds
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-PACKAGES = ("kvpush", "kvpush_nixl", "kvpush_vllm")
+PACKAGES = ("kvpush", "kvpush_nixl", "kvpush_vllm", "kvpush_router")
 
 #: Standard-library modules the core may not import: I/O, time, randomness, concurrency.
 CORE_FORBIDDEN = frozenset(
@@ -156,7 +156,7 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def tree_sources(root: Path = ROOT) -> dict[str, str]:
-    """Every module of the three packages, by name."""
+    """Every module of the packages, by name."""
     return {
         module_name(path, root): path.read_text()
         for package in PACKAGES
@@ -336,7 +336,8 @@ def test_the_walk_sees_what_it_must() -> None:
         if isinstance(i, Import)
     }
     assert {"kvpush.runtime.__init__", "_posixshmem", "numpy"} <= targets  # lazy one too
-    assert component_of("kvpush_vllm._router_core", TABLE) is TABLE["router"]
+    assert component_of("kvpush_router._core", TABLE) is TABLE["router"]
+    assert component_of("kvpush_router.__init__", TABLE) is TABLE["router"]
     assert component_of("kvpush_vllm.connector", TABLE) is TABLE["vllm"]
     assert component_of("kvpush.__init__", TABLE) is TABLE["core"]
     assert component_of("kvpush.cli", TABLE) is TABLE["commands"]
@@ -349,7 +350,21 @@ def test_kvpush_names_neither_package_above_it() -> None:
             continue
         for imp in imports_of(module, source, SOURCES):
             assert isinstance(imp, Import), imp
-            assert imp.target.split(".")[0] not in ("kvpush_nixl", "kvpush_vllm"), module
+            above = ("kvpush_nixl", "kvpush_vllm", "kvpush_router")
+            assert imp.target.split(".")[0] not in above, module
+
+
+def test_nothing_imports_the_router() -> None:
+    """The router is an application: no module outside it names it, not even
+    lazily; ``kvpush router`` reaches it through the commands registry."""
+    for module, source in SOURCES.items():
+        if module.split(".")[0] == "kvpush_router":
+            continue
+        for imp in imports_of(module, source, SOURCES):
+            assert isinstance(imp, Import), imp
+            assert imp.target.split(".")[0] != "kvpush_router", f"{module}:{imp.line}"
+    (ep,) = (e for e in entry_points(group=kvpush.cli.COMMANDS_GROUP) if e.name == "router")
+    assert ep.value == "kvpush_router._command"
 
 
 # --- the checker, on planted sources ---------------------------------------------
@@ -366,7 +381,8 @@ PLANTED = {
     "kvpush_nixl.__init__": "import numpy\n",
     "kvpush_vllm.__init__": "from ._params import P\n",
     "kvpush_vllm._params": "",
-    "kvpush_vllm._router": "from ._params import P\nfrom kvpush_vllm import _params\n",
+    "kvpush_router.__init__": "from ._core import C\n",
+    "kvpush_router._core": "from kvpush_vllm import P\nfrom kvpush.runtime import Transport\n",
 }
 
 
@@ -386,7 +402,7 @@ def test_an_upward_import_is_caught() -> None:
 
 
 def test_a_lazy_upward_import_is_caught() -> None:
-    source = "def f():\n    if True:\n        from kvpush_vllm import _router\n"
+    source = "def f():\n    if True:\n        from kvpush_router import _core\n"
     problems = planted("kvpush.protocol._codec", source)
     assert any("kvpush.protocol._codec:3" in p and "an arrow up" in p for p in problems)
 
@@ -410,9 +426,18 @@ def test_a_sideways_import_between_transports_is_caught() -> None:
 
 
 def test_kvpush_importing_the_vllm_package_is_caught() -> None:
-    layer, private = planted("kvpush.demo.__init__", "from kvpush_vllm import _router\n")
+    layer, private = planted("kvpush.demo.__init__", "from kvpush_router import _core\n")
     assert "commands (layer 5) may not import router (layer 5): sideways" in layer
-    assert private.endswith("a private part of kvpush_vllm")
+    assert private.endswith("a private part of kvpush_router")
+    (problem,) = planted("kvpush_vllm.__init__", "def f():\n    import kvpush_router\n")
+    assert "vllm (layer 4) may not import router (layer 5): an arrow up" in problem
+
+
+def test_the_router_using_the_shims_private_modules_is_caught() -> None:
+    (problem,) = planted("kvpush_router._core", "from kvpush_vllm._params import P\n")
+    assert problem.endswith("imports kvpush_vllm._params.P: a private part of kvpush_vllm")
+    (problem,) = planted("kvpush_router._core", "import kvpush.shm\n")
+    assert "router (layer 5) may not import shm (layer 3): not in its row" in problem
     (problem,) = planted("kvpush.sim.__init__", "def f():\n    import kvpush_nixl\n")
     assert "kvpush.sim.__init__:2 imports kvpush_nixl: commands (layer 5)" in problem
 

@@ -37,7 +37,6 @@ from kvpush.protocol import (
     Timing,
     Withdraw,
     WriteFailed,
-    _producer,
 )
 from kvpush.testing import InvariantViolation
 from kvpush.testing.explorer import explore
@@ -260,7 +259,7 @@ def _commit_early(self: Producer, now: float, rec: Any, inp: Any) -> None:
         rec.partial = partial
 
 
-_WRITE = _producer._ENTER[PState.WRITING]
+_WRITE = Producer._write
 
 
 def test_the_explorer_catches_a_notice_on_an_early_increment(
@@ -268,7 +267,7 @@ def test_the_explorer_catches_a_notice_on_an_early_increment(
 ) -> None:
     """Seeded bug: every increment carries the notice (a commit before the
     rest is written). The consumer's Ready would come before all its KV."""
-    monkeypatch.setitem(_producer._ENTER, PState.WRITING, _commit_early)
+    monkeypatch.setattr(Producer, "_write", _commit_early)
     with pytest.raises(InvariantViolation, match=r"I2|I4"):
         explore(transfers=1, increments=2, preemptions=0, duplicates=0)
 

@@ -1,4 +1,4 @@
-"""The kvpush router (kvpush_vllm._router) against fake prefill and decode servers.
+"""The kvpush router (kvpush_router) against fake prefill and decode servers.
 
 The fakes are tiny h11 servers that behave like vLLM where it matters: the
 prefill answers after a delay (its "compute") and marks the transfer's KV
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import signal
 import socket
 import sys
@@ -26,9 +27,8 @@ import pytest
 from anyio.abc import ByteStream, TaskStatus
 
 from kvpush.protocol import Mode
-from kvpush_vllm._params import ParamsError, TransferParams, new_transfer_id, parse_host_port
-from kvpush_vllm._router import router_main
-from kvpush_vllm._router_core import (
+from kvpush_router import Router, RouterConfig, RouterOptions, router_main
+from kvpush_router._core import (
     DecodeSpec,
     PrefillSpec,
     UpstreamUrl,
@@ -36,7 +36,7 @@ from kvpush_vllm._router_core import (
     estimate_prompt_tokens,
     split_request,
 )
-from kvpush_vllm._router_server import Router, RouterConfig
+from kvpush_vllm import Contract, ParamsError, TransferParams, new_transfer_id, parse_host_port
 
 pytestmark = pytest.mark.anyio
 LIMIT = 8.0  # every test's whole budget
@@ -656,7 +656,7 @@ async def test_2p2d_spreads_concurrent_requests_by_load() -> None:
 
 async def test_a_long_prompt_weighs_more_than_a_short_one() -> None:
     world = World()
-    async with stack([prefill(world, delay=0.5)], [decode(world)] * 2, block_size=16) as s:
+    async with stack([prefill(world, delay=0.5)], [decode(world)] * 2, tokens_per_block=16) as s:
         async with anyio.create_task_group() as tg:
             long = completion(prompt=list(range(1600)))  # 100 blocks
             tg.start_soon(call, s.port, "POST", "/v1/completions", long)
@@ -808,16 +808,65 @@ def test_router_main_argument_errors(capsys: pytest.CaptureFixture[str]) -> None
         (["--prefill", "http://p:8100", "--decode", "http://d:8200"], "URL@CONTROL"),
         (["--prefill", "http://p:8100@p", "--decode", "http://d:8200"], "host:port"),
         (["--prefill", "https://p@p:1", "--decode", "http://d:8200"], "http://host"),
-        ([*ok, "--mode", "teleport"], "invalid choice"),
-        ([*ok, "--timeout", "0"], "must be > 0"),
-        ([*ok, "--prefill-timeout", "-1"], "must be > 0"),
-        ([*ok, "--block-size", "0"], "block_size must be >= 1"),
+        ([*ok, "--mode", "teleport"], "mode must be one of 'push', 'pull', got 'teleport'"),
+        ([*ok, "--timeout", "0"], "timeout must be a number (s) > 0, got 0.0"),
+        ([*ok, "--prefill-timeout", "-1"], "prefill_timeout must be a number (s) > 0"),
+        ([*ok, "--block-size", "0"], "tokens_per_block must be an int >= 1, got 0"),
+        ([*ok, "--port", "70000"], "port must be an int in [0, 65535], got 70000"),
+        ([*ok, "--log-level", "LOUD"], "log_level must be one of 'DEBUG'"),
+        ([*ok, "--metrics-interval", "-1"], "metrics_interval must be a number (s) >= 0"),
     ]
     for argv, message in cases:
         assert router_main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert router_main(["--help"]) == 0
     assert "--prefill URL@CTRL" in capsys.readouterr().out
+
+
+def test_the_flags_are_the_options_fields() -> None:
+    """One flag per :class:`RouterOptions` field, with the default and help of
+    the :class:`RouterConfig` setting it sets; repeated upstream flags add up."""
+    import argparse
+
+    from kvpush_router import add_router_arguments
+
+    parser = argparse.ArgumentParser(prog="kvpush router")
+    add_router_arguments(parser)
+    flags = [a.option_strings[0] for a in parser._actions if a.dest != "help"]
+    assert flags == [
+        "--prefill", "--decode", "--host", "--port", "--mode", "--block-size", "--timeout",
+        "--prefill-timeout", "--connect-timeout", "--max-inflight", "--max-body-bytes",
+        "--log-level", "--secret-file", "--metrics-interval", "--timeline-file",
+    ]  # fmt: skip
+    text = parser.format_help()
+    for shown in ("(default: 300.0)", "(default: 16777216)", "(default: push)", "[s]"):
+        assert shown in text
+    argv = ["--prefill", "http://p:1@p:2", "http://q:1@q:2", "--decode", "http://d:3"]
+    args = parser.parse_args([*argv, "--prefill", "http://r:1@r:2", "--max-body-bytes", "99"])
+    options = RouterOptions.from_args(args)
+    assert options.prefill == ("http://p:1@p:2", "http://q:1@q:2", "http://r:1@r:2")
+    config = options.config()
+    assert [p.control for p in config.prefills] == ["p:2", "q:2", "r:2"]
+    assert (config.max_body, config.timeout, config.mode) == (99, 300.0, Mode.PUSH)
+    assert config == RouterConfig(config.prefills, config.decodes, max_body=99)
+
+
+def test_the_config_is_checked_by_the_one_validator() -> None:
+    from kvpush.protocol import ConfigError
+
+    spec = PrefillSpec.parse("http://p:1@p:2"), DecodeSpec.parse("http://d:3")
+    bad = [
+        ({"connect_timeout": 0}, "connect_timeout must be a number (s) > 0, got 0"),
+        ({"retries": -1}, "retries must be an int >= 0, got -1"),
+        ({"client_timeout": float("inf")}, "client_timeout must be a number (s) > 0"),
+        ({"probe_first": 2.0, "probe_max": 1.0}, "probe_max must be >= probe_first"),
+        ({"secret": b"short"}, "the router's secret must be at least 16 bytes"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            RouterConfig((spec[0],), (spec[1],), **kwargs)
+    with pytest.raises(ConfigError, match="at least one prefill and one decode"):
+        RouterConfig((), (spec[1],))
 
 
 def test_router_main_cannot_listen(capsys: pytest.CaptureFixture[str]) -> None:
@@ -831,10 +880,7 @@ def test_router_main_cannot_listen(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 async def test_router_main_stops_cleanly_on_sigterm() -> None:
-    code = (
-        "import sys; from kvpush_vllm._router import router_main; "
-        "sys.exit(router_main(sys.argv[1:]))"
-    )
+    code = "import sys; from kvpush_router import router_main; sys.exit(router_main(sys.argv[1:]))"
     argv = [
         "--prefill",
         "http://127.0.0.1:1@127.0.0.1:2",
@@ -984,8 +1030,6 @@ SECRET = b"sixteen-bytes-or-more!"
 
 
 async def test_sealed_decode_legs_are_trusted_without_allowed_peers() -> None:
-    from kvpush_vllm._contract import Contract
-
     world = World()
     async with stack([prefill(world)], [decode(world)], secret=SECRET) as s:
         assert (await call(s.port, "POST", "/v1/completions", completion())).status == 200
@@ -1001,7 +1045,7 @@ async def test_sealed_decode_legs_are_trusted_without_allowed_peers() -> None:
 
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: pathlib.Path) -> None:
     from kvpush.protocol import ConfigError
-    from kvpush_vllm._router import read_secret
+    from kvpush_router import read_secret
 
     path = tmp_path / "secret"
     path.write_bytes(SECRET + b"\n")
@@ -1019,9 +1063,9 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: pathlib.Path)
 async def test_a_failed_decode_leg_releases_the_prefill_kv_at_once(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The release leg; ``kvpush_vllm._contract.release_params`` is stubbed here
+    """The release leg; ``kvpush_vllm.release_params`` is stubbed here
     (the connector's side is tested with the connector)."""
-    import kvpush_vllm._contract as contract
+    import kvpush_router._server as server
 
     calls: list[tuple[str, str, bytes | None]] = []
 
@@ -1029,7 +1073,7 @@ async def test_a_failed_decode_leg_releases_the_prefill_kv_at_once(
         calls.append((transfer_id, mode, secret))
         return {"kvpush": {"transfer_id": transfer_id, "role": "release", "mode": mode}}
 
-    monkeypatch.setattr(contract, "release_params", release_params, raising=False)
+    monkeypatch.setattr(server, "release_params", release_params)
     world = World()
     handler = {"500": decode(world, status=500), "400": decode(world, status=400), "refused": None}
     async with stack([prefill(world, delay=0.05)], [handler[kind]], secret=SECRET) as s:
@@ -1065,8 +1109,6 @@ async def test_no_release_leg_when_the_decode_answers() -> None:
 
 
 async def test_the_release_leg_parses_at_a_prefill_with_the_same_secret() -> None:
-    from kvpush_vllm._contract import Contract
-
     world = World()
     async with stack([prefill(world, delay=0.05)], [decode(world, status=500)], secret=SECRET) as s:
         answer = await call(s.port, "POST", "/v1/completions", completion())

@@ -192,8 +192,8 @@ async def test_transfers_over_tcp_and_shared_memory(
     config = LoopbackConfig(
         producer_tp=p_tp,
         consumer_tp=d_tp,
-        producer_block_tokens=p_tokens,
-        consumer_block_tokens=d_tokens,
+        producer_tokens_per_block=p_tokens,
+        consumer_tokens_per_block=d_tokens,
         num_blocks=BLOCKS,
         num_layers=LAYERS,
         num_kv_heads=HEADS,

@@ -4,6 +4,8 @@ the real core's epoch check, light-load fidelity and faults."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -260,3 +262,27 @@ def test_an_increment_left_unwritten_is_detected(
     monkeypatch.setattr(_fleet, "_moved", lossy)
     result = simulate(tcp100, "progressive", 1, 16384, requests=20, seed=0)
     assert result.row.stale_pairings > 0
+
+
+def test_a_scenario_error_names_the_section_and_the_key(tmp_path: Path) -> None:
+    """Each section is checked by the one validator (``build_options``): its
+    ranges, its types, unknown keys; an override is checked the same way."""
+    from kvpush.protocol import ConfigError
+    from kvpush.sim import ScenarioError
+
+    path = tmp_path / "bad.json"
+    for body, message in (
+        ({"fleet": {"prefill": 0}}, "section 'fleet': prefill must be an int in [1, 1024], got 0"),
+        ({"hardware": {"tp": {"value": 2.5}}}, "section 'hardware': tp must be an int >= 1"),
+        ({"hardware": {"nic_efficiency": 0}}, "nic_efficiency must be a number > 0, got 0.0"),
+        ({"control": {"merge_push": 1}}, "section 'control': merge_push must be true or false"),
+        ({"control": {"hop": 1}}, "section 'control': unknown control key(s) ['hop']"),
+        ({"fleet": {"router": "fast"}}, "router must be one of 'auto', 'sequential'"),
+        ({"hardware": {"prefill_cached_fraction": 1}}, "prefill_cached_fraction must lie in"),
+    ):
+        path.write_text(json.dumps({"extends": "seed", **body}))
+        with pytest.raises(ScenarioError) as info:
+            load_scenario(str(path))
+        assert message in str(info.value)
+    with pytest.raises(ConfigError, match=r"^decode must be an int in \[1, 1024\], got 2000$"):
+        load_scenario("seed").with_fleet(decode=2000)

@@ -47,7 +47,8 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         (["--qps", "-1"], "must be a positive number"),
         (["--modes", "teleport"], "unknown mode 'teleport'"),
         (["--requests", "0"], "--requests must be >= 1"),
-        (["--prefill", "0"], "--prefill must lie in [1, 1024]"),
+        (["--prefill", "0"], "prefill must be an int in [1, 1024], got 0"),
+        (["--preempt-rate", "-1"], "preempt_per_s must be a number >= 0, got -1.0"),
         (["--scenario", "/nonexistent/x.json"], "cannot read scenario"),
     ],
 )

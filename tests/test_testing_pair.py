@@ -46,7 +46,7 @@ async def test_the_pair_is_shaken_hands_and_moves_checked_bytes(
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "kvpush_loopback_config",
-    [LoopbackConfig(producer_tp=2, consumer_tp=1, consumer_block_tokens=8, verify=False)],
+    [LoopbackConfig(producer_tp=2, consumer_tp=1, consumer_tokens_per_block=8, verify=False)],
 )
 async def test_a_reshaped_pair_pulls(kvpush_pair: LoopbackPair) -> None:
     """The config fixture parametrized directly: TP 2 -> 1, blocks of 16 -> 8

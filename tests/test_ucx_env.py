@@ -33,7 +33,7 @@ def test_a_vram_transport_sets_them_before_its_agent_exists(
     from kvpush_nixl import NixlTransport, _transport
 
     seen: list[str | None] = []
-    real = _transport.Agent
+    real = _transport.NixlAgent
 
     def spy(*args: object, **kwargs: object) -> object:
         import os
@@ -44,7 +44,7 @@ def test_a_vram_transport_sets_them_before_its_agent_exists(
     # setenv first: monkeypatch then restores the variable's absence at teardown.
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "")
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
-    monkeypatch.setattr(_transport, "Agent", spy)
+    monkeypatch.setattr(_transport, "NixlAgent", spy)
     NixlTransport("ucx-dram").close()
     assert seen == [None]  # DRAM only: nothing set
     NixlTransport("ucx-vram", vram=True).close()

@@ -5,7 +5,7 @@ request.
 
 What runs, and where:
 
-* The *router* is the demo's main process. It has every decode leader dial
+* The *supervisor* is the demo's main process. It has every decode leader dial
   every prefill leader, assigns transfer ids and sends both legs of each
   request at once: to a decode leader (reserve blocks, register them with the
   chosen prefill) and to that prefill leader ("compute", then publish the
@@ -14,7 +14,7 @@ What runs, and where:
   paces arrivals (``--qps``), keeps at most as many requests on an instance as
   its block pool holds, and reports, per instance and per pair too.
 * Each *instance* is one leader process plus one rank process per TP rank,
-  all started by the router with ``multiprocessing`` (spawn), so the router
+  all started by the supervisor with ``multiprocessing`` (spawn), so the supervisor
   can stop and reap every one of them.
 * A *rank process* stands for a TP worker: it creates its shared-memory KV
   segment (:class:`~kvpush.shm.ShmTransport`), owns it, unlinks it at
@@ -43,16 +43,16 @@ and its share of the KV heads, HND order inside a block, and the pattern in
 each cell names its transfer, layer, K/V, block, global head and token, so a
 TP reshard (``--tp-prefill 2 --tp-decode 1``) is checked byte for byte.
 
-A child that dies, Ctrl-C or SIGTERM ends the run: the router stops the
+A child that dies, Ctrl-C or SIGTERM ends the run: the supervisor stops the
 leaders, then the ranks (Stop, SIGTERM, SIGKILL, each with a timeout) and
 removes any shared memory of the run a killed child left. A leader or rank
-whose router dies sees its pipe close and exits.
+whose supervisor dies sees its pipe close and exits.
 """
 
 from __future__ import annotations
 
 from ._cli import add_arguments, run
 from ._model import MODELS, DemoError, ModelShape
-from ._router import DemoConfig, DemoRouter
+from ._supervisor import DemoConfig, Supervisor
 
-__all__ = ("MODELS", "DemoConfig", "DemoError", "DemoRouter", "ModelShape", "add_arguments", "run")
+__all__ = ("MODELS", "DemoConfig", "DemoError", "ModelShape", "Supervisor", "add_arguments", "run")

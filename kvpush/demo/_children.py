@@ -1,4 +1,4 @@
-"""The router's child processes: start them, hear from them, stop them.
+"""The supervisor's child processes: start them, hear from them, stop them.
 
 Every wait is a :func:`multiprocessing.connection.wait` over the children's
 pipes *and* their process sentinels, with a timeout, so a child that dies is
@@ -8,9 +8,9 @@ which cannot read its pipe yet; then SIGTERM, then SIGKILL, all within
 :data:`STOP_BUDGET`) and removes any shared-memory name of the run a killed
 child left.
 
-Ctrl-C (SIGINT to the whole process group) is the router's alone. A child is
-born with SIGINT blocked (the router blocks it around the fork, the child
-inherits the mask) and ignores it from its first line; the router's own
+Ctrl-C (SIGINT to the whole process group) is the supervisor's alone. A child is
+born with SIGINT blocked (the supervisor blocks it around the fork, the child
+inherits the mask) and ignores it from its first line; the supervisor's own
 handler (:func:`interrupts`) raises :class:`KeyboardInterrupt` once, never
 inside :meth:`Children.start` (held there, raised when the child is on the
 books) and never again once :meth:`Children.shutdown` began, so a second
@@ -54,7 +54,7 @@ T = TypeVar("T")
 
 
 class _Gate:
-    """The router's SIGINT and SIGTERM handler: one :class:`KeyboardInterrupt`,
+    """The supervisor's SIGINT and SIGTERM handler: one :class:`KeyboardInterrupt`,
     at a point where it leaves nothing half done."""
 
     def __init__(self) -> None:
@@ -119,7 +119,7 @@ def _held() -> Iterator[None]:
 
 
 def ignore_sigint() -> None:
-    """A child's first line: ignore SIGINT (Ctrl-C is the router's), then
+    """A child's first line: ignore SIGINT (Ctrl-C is the supervisor's), then
     unblock it (blocked since birth, see above; one that came is dropped)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGINT)
@@ -127,7 +127,7 @@ def ignore_sigint() -> None:
 
 @dataclass(eq=False, slots=True)
 class Child:
-    """One child process and the router's end of its pipe."""
+    """One child process and the supervisor's end of its pipe."""
 
     label: str
     process: BaseProcess
@@ -168,7 +168,7 @@ class Children:
         # Started before the mask below: starting it unblocks SIGINT.
         resource_tracker.ensure_running()
         # Born with SIGINT blocked (a terminal's Ctrl-C reaches the whole
-        # process group; the router alone handles it), also while it imports;
+        # process group; the supervisor alone handles it), also while it imports;
         # a Ctrl-C meanwhile is raised once the child is on the books.
         with _held():
             try:
@@ -286,7 +286,7 @@ def _join(group: list[Child], deadline: float) -> None:
 def sweep(prefix: str) -> list[str]:
     """Unlink every shared-memory name starting with ``prefix`` (what a killed
     child could not remove), and drop it from the resource tracker that its
-    creator registered it with (every child shares the router's tracker)."""
+    creator registered it with (every child shares the supervisor's tracker)."""
     try:
         names = sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix))
     except OSError:

@@ -4,12 +4,12 @@ Each runs its side's anyio runtime (see :mod:`._leader`) and plays the engine.
 The prefill "computes" (sleeps in proportion to the prompt), writes the
 pattern into its blocks, calls ``kv_ready`` and frees the blocks on
 ``SourceReleased``; it learns its decode instances from their handshakes. A
-decode dials every prefill the router names (:class:`Dial`), reserves blocks
+decode dials every prefill the supervisor names (:class:`Dial`), reserves blocks
 and registers them with the request's prefill (the runtime sends the
 registration once the handshake is up), checks
 every block when ``Ready`` arrives, then frees them; ``Failed`` is remembered
 and reported with the ``Released`` that returns the blocks. SIGINT is the
-router's business: a leader ignores it.
+supervisor's business: a leader ignores it.
 """
 
 from __future__ import annotations
@@ -262,8 +262,8 @@ def _describe(exc: BaseException) -> str:
 
 def leader_main(spec: LeaderSpec, rank_conns: list[Connection], conn: Connection) -> None:
     """Process entry point (``multiprocessing`` spawn target): ``rank_conns``
-    lead to the instance's ranks, ``conn`` to the router."""
-    ignore_sigint()  # the router handles Ctrl-C
+    lead to the instance's ranks, ``conn`` to the supervisor."""
+    ignore_sigint()  # the supervisor handles Ctrl-C
     signal.signal(signal.SIGTERM, _terminate)  # until the loop's own handler is up
     leader: Leader
     side = PrefillLeader if spec.role is Role.PRODUCER else DecodeLeader

@@ -10,9 +10,9 @@ nixl`` the leader maps the segment (:class:`~kvpush.shm.Segment`), registers
 it with one NIXL transport (one NIXL agent) per rank, found in the
 ``kvpush.transports`` registry (:func:`~kvpush.runtime.transport_kind`: the
 demo never imports ``kvpush_nixl``), and the layouts it announces carry the
-mapping's real addresses. Router commands arrive over a
+mapping's real addresses. Supervisor commands arrive over a
 pipe, read by a thread that hands them to the event loop; a closed pipe means
-the router died, and the leader exits. SIGTERM cancels everything cleanly.
+the supervisor died, and the leader exits. SIGTERM cancels everything cleanly.
 Work on the KV itself (fill, check) goes to the rank processes through a
 :class:`RankClient` each, every call bounded by a timeout.
 """
@@ -128,7 +128,7 @@ class BlockPool:
 
 
 class _ParentGone:
-    """The router's end of the pipe closed."""
+    """The supervisor's end of the pipe closed."""
 
 
 def last_write_done(timeline: Timeline) -> float | None:
@@ -257,7 +257,7 @@ class Leader:
     # --- shared --------------------------------------------------------------------
 
     def send(self, msg: object) -> None:
-        """To the router (event-loop thread only)."""
+        """To the supervisor (event-loop thread only)."""
         self.conn.send(msg)
 
     def blocks_for(self, tokens: int) -> int:
@@ -279,7 +279,7 @@ class Leader:
         return request_seed(self.spec.seed, transfer_id)
 
     async def serve(self) -> None:
-        """Run until the router says Stop, goes away, or SIGTERM."""
+        """Run until the supervisor says Stop, goes away, or SIGTERM."""
         async with contextlib.AsyncExitStack() as stack:
             runtime, port = await self._build(stack)
             send, receive = anyio.create_memory_object_stream[object](256)
@@ -378,7 +378,7 @@ class Leader:
             self.on_other(msg)
 
     def _read_pipe(self, stream: MemoryObjectSendStream[object], token: Any) -> None:
-        """Thread: router commands into the loop until Stop or a closed pipe."""
+        """Thread: supervisor commands into the loop until Stop or a closed pipe."""
         while True:
             msg: object
             try:

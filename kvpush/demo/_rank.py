@@ -2,7 +2,7 @@
 
 It stands for a TP worker that owns device memory. It creates the segment
 (:class:`~kvpush.shm.ShmTransport`, ``create=True``), touches every page
-once (a real KV cache is allocated up front), reports to the router, then
+once (a real KV cache is allocated up front), reports to the supervisor, then
 serves its leader: :class:`Fill` writes a request's pattern into blocks (the
 prefill's "forward pass"), :class:`Check` compares blocks with it (the
 decode's check). It moves no bytes between instances: the leader maps the
@@ -11,7 +11,7 @@ pattern work here, one process per rank, keeps it off the leader's
 interpreter, so it neither competes with the data plane for the GIL nor
 serialises the ranks.
 
-On a :class:`Stop` or a closed pipe from the router (the router died),
+On a :class:`Stop` or a closed pipe from the supervisor (the supervisor died),
 SIGTERM, or a new parent, it closes the transport, which unlinks the
 segment, and exits.
 """
@@ -33,7 +33,7 @@ from ._wire import Check, Fill, RankReply, RankUp
 
 __all__ = ("RankSpec", "rank_main")
 
-#: How often a waiting rank checks that its parent is still the router.
+#: How often a waiting rank checks that its parent is still the supervisor.
 _PARENT_CHECK = 1.0
 _PAGE = 4096
 
@@ -54,8 +54,8 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 def rank_main(spec: RankSpec, work: Connection, conn: Connection) -> None:
     """Process entry point (``multiprocessing`` spawn target): ``work`` is the
-    pipe from the leader, ``conn`` the one from the router."""
-    ignore_sigint()  # the router handles Ctrl-C
+    pipe from the leader, ``conn`` the one from the supervisor."""
+    ignore_sigint()  # the supervisor handles Ctrl-C
     signal.signal(signal.SIGTERM, _terminate)
     parent = os.getppid()
     transport = ShmTransport(spec.agent, spec.geometry.segment_bytes, name=spec.segment)
@@ -67,7 +67,7 @@ def rank_main(spec: RankSpec, work: Connection, conn: Connection) -> None:
         serving = True
         while os.getppid() == parent:
             ready = wait([conn, work] if serving else [conn], _PARENT_CHECK)
-            if conn in ready:  # Stop, or the router is gone
+            if conn in ready:  # Stop, or the supervisor is gone
                 break
             if not ready:
                 continue
@@ -79,9 +79,9 @@ def rank_main(spec: RankSpec, work: Connection, conn: Connection) -> None:
                 elif isinstance(msg, Check):
                     bad = corrupt_blocks(memory, layout, msg.blocks, msg.seed)
                     work.send(RankReply(tuple(sorted(bad))))
-            except (EOFError, OSError):  # the leader is gone; the router will stop us
+            except (EOFError, OSError):  # the leader is gone; the supervisor will stop us
                 serving = False
     except (EOFError, OSError):
-        pass  # the router is gone
+        pass  # the supervisor is gone
     finally:
         transport.close()

@@ -2,7 +2,7 @@
 
 Phases, from the prefill's and the decode's timelines (their clocks are the
 same ``time.monotonic()``, and the data planes stamp on it too) and the
-router's dispatch time. Each starts where the one before ends, so per request
+supervisor's dispatch time. Each starts where the one before ends, so per request
 compute + handoff preparation + transfer + ready is TTFT (``phase_sum_error``
 is the largest relative gap over the run; a stamp that is missing is counted
 in ``unstamped``):
@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from ._model import ModelShape
-from ._router import DemoConfig, RequestRecord, RunResult
+from ._supervisor import DemoConfig, RequestRecord, RunResult
 
 __all__ = ("CHAIN", "PHASES", "percentiles", "problems", "render", "sum_error", "summarize")
 
@@ -176,7 +176,7 @@ def summarize(cfg: DemoConfig, model: ModelShape, result: RunResult) -> dict[str
     instances, pairs = _instances(result, ok)
     return {
         "mode": cfg.mode.value,
-        "progressive": cfg.chunk_tokens > 0,
+        "progressive": cfg.progressive,
         # Progressive push: requests whose first write started before the
         # prompt was done (0 in one-shot push, where writes wait for kv_ready).
         "written_before_kv_ready": sum(

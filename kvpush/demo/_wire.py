@@ -1,6 +1,6 @@
-"""What the router, the leaders and the ranks say to each other over pipes.
+"""What the supervisor, the leaders and the ranks say to each other over pipes.
 
-One :func:`multiprocessing.Pipe` from the router to each child, and one from
+One :func:`multiprocessing.Pipe` from the supervisor to each child, and one from
 each leader to each of its ranks; messages are these small frozen dataclasses
 (pickled by the pipe). Times are ``time.monotonic()`` values, one
 clock for every process on the machine (Linux ``CLOCK_MONOTONIC``).
@@ -29,7 +29,7 @@ __all__ = (
     "Stop",
 )
 
-# --- router -> child -------------------------------------------------------------
+# --- supervisor -> child ---------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +97,7 @@ class RankReply:
     corrupt: tuple[int, ...] = ()
 
 
-# --- child -> router -------------------------------------------------------------
+# --- child -> supervisor ---------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)

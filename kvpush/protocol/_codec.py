@@ -1,69 +1,9 @@
 """The wire codec: the only place where bytes become messages and back.
 
-Control frame (:meth:`Codec.encode` / :meth:`Codec.decode`)::
-
-    offset  size  field
-    0       3     magic b"KVP"
-    3       1     wire version (WIRE_VERSION)
-    4       1     message type (table below)
-    5       1     flags: bit 0 = a MAC follows the body; other bits must be 0
-    6       n     body: one msgpack array, the message's fields in declaration order
-    6+n     32    HMAC-SHA256 over bytes [0, 6+n) (only with flag bit 0)
-
-    type  1 Hello   2 HelloReject  3 Register  4 Withdraw   5 Abort    6 Settled
-          7 Rejected  8 WriteFailed  9 Announce  10 ReadDone  11 Heartbeat
-          12 Renew     13 Extend
-
-Completion notice (:meth:`Codec.encode_notice`), sized to ride inside a
-transport's transfer notification, so fixed fields instead of msgpack::
-
-    0     3   magic b"KVN"            13  2  source tp, uint16 LE
-    3     1   wire version            15  2  source pp, uint16 LE
-    4     1   flags (bit 0 = MAC,     17  2  consumer rank, uint16 LE
-              bit 1 = staged)         19  s  staged (only with flag bit 1): a count
-    5     8   epoch, uint64 LE               byte k <= 7, then k uint32 LE
-    19+s  n   transfer id, UTF-8 (the rest)
-    19+s+n 16 HMAC-SHA256 truncated to 128 bits (only with flag bit 0)
-
-A notice is at most ``64 + len(transfer_id)`` bytes (:data:`MAX_NOTICE_BYTES`):
-a staged transfer of more than 7 KV groups is written in place.
-
-Field encodings: str as msgpack str; ints as msgpack ints; seconds as float64;
-enums by their string value (stable when members are added or reordered);
-``Source`` as ``[tp, pp]``; the fingerprint as ``[[key, value], ...]``; block ids
-as an array (one entry per KV group) of bin, each the group's ids as
-little-endian uint32. Measured against an array of msgpack ints for 64 ids, the
-bin decodes twice as fast (validity of every id comes with the format), msgpack
-bounds it by bytes, and it costs 4 bytes per id instead of 1-5; ``struct`` beat
-numpy for both directions at 64 to 2**18 ids.
-
-Ranges (both directions): epochs in [0, 2**63); ``instance`` and ``seq`` in
-[0, 2**64); ranks and PP stages in [0, max_ranks); TP and PP sizes in
-[1, max_ranks]; ``num_kv_heads`` in [1, 2**16]; ``kv_groups`` in
-[1, max_kv_groups]; ``version`` in [0, 2**16); leases finite and >= 0 (whether
-a zero lease is usable is the core's call); ``op_bound`` and ``max_transit``
-finite and > 0; block ids in [0, 2**32), unique within a group; transfer and
-engine ids non-empty.
-A bool is not an int, an int on the wire is not a float (encode accepts ints
-exactly representable as floats), and maps and ext types never appear.
-
-Why it is strict: decoding validates the type and range of every field with
-the rules encoding applies, so ``decode(encode(m)) == m`` for every valid
-message, an invalid one raises :class:`LocalProtocolError` on encode, and any
-byte string decodes to a valid message or raises :class:`RemoteProtocolError`;
-nothing else escapes (a property test and ``benchmarks/fuzz_codec.py`` check
-it). :class:`CodecLimits` bounds every size, so a hostile frame allocates
-little: frame length first, then msgpack's own limits per str, bin, array and
-map, and at most a few arrays per frame.
-
-Authentication: with a ``secret`` every frame carries an HMAC and a frame with a
-missing or wrong MAC is refused. A frame *with* a MAC while no secret is set is
-refused too: a peer that believes in a shared secret we lack is misconfigured,
-and accepting it would silently downgrade. The MAC is checked before the body
-is parsed. It stops forgery and tampering, not replay: the protocol tolerates
-duplicated frames by design (epochs, tombstones). The wire version is checked
-before the MAC, so a peer of another version is told so; ``Hello.version``
-(the protocol version) travels in the body, so ``check_compatible`` can name it.
+docs/protocol.md ("Wire format") has the frame and notice layouts, the field
+encodings and ranges, the limits and the authentication rules. Block ids travel
+as bins of uint32 (``struct`` beat numpy both ways at 64 to 2**18 ids);
+``Hello.version`` travels in the body, so ``check_compatible`` can name it.
 """
 
 from __future__ import annotations
@@ -121,14 +61,9 @@ _HANDSHAKE_LABEL = b"kvpush channel handshake\0"
 
 @dataclass(frozen=True, slots=True)
 class CodecLimits:
-    """Bounds on what one frame may hold (sizes in bytes, or counts).
-
-    Both peers should use the same limits: a message over the sender's limits
-    fails to encode, one over the receiver's is refused. The defaults match the
-    core's own bounds (``MAX_ID_LEN``, ``MAX_RANKS``, 64 KV groups).
-    ``max_frame_bytes`` must hold the largest message the other limits admit
-    (checked here), so a message that passes validation always encodes.
-    """
+    """Bounds on what one frame may hold (bytes or counts); both peers should
+    use the same (docs/protocol.md, "Limits"). ``max_frame_bytes`` must hold the
+    largest message the others admit, so a valid message always encodes."""
 
     max_frame_bytes: int = 1 << 22
     #: Block ids per frame, over all KV groups (4 bytes each on the wire).
@@ -191,22 +126,8 @@ def _as_bytes(data: object) -> bytes:
 
 
 class Codec:
-    """Encodes and decodes control frames and Completion notices.
-
-    Stateless after construction (safe to share between threads). ``secret``
-    (at least :data:`MIN_SECRET_BYTES` bytes, shared by both peers) turns on
-    HMAC-SHA256 for every frame and notice; without it no frame may carry one.
-    """
-
-    __slots__ = (
-        "_by_code",
-        "_limits",
-        "_mac",
-        "_max_lists",
-        "_notice",
-        "_schemas",
-        "_unpack_limits",
-    )
+    """Encodes and decodes control frames and Completion notices; stateless, so
+    safe to share. ``secret`` turns on HMAC-SHA256 for every frame and notice."""
 
     def __init__(self, *, limits: CodecLimits | None = None, secret: bytes | None = None) -> None:
         lim = CodecLimits() if limits is None else limits
@@ -254,8 +175,6 @@ class Codec:
         if self._mac is None:
             return None
         return _tag(self._mac, _HANDSHAKE_LABEL + bytes(data))
-
-    # --- control frames ---------------------------------------------------------
 
     def encode(self, message: ControlMessage) -> bytes:
         """The frame for ``message``; :class:`LocalProtocolError` if it is invalid."""
@@ -326,8 +245,6 @@ class Codec:
         if not hmac.compare_digest(data[end:], _tag(self._mac, data[:end])[:mac_len]):
             raise AuthenticationError("bad MAC")
         return end
-
-    # --- Completion notices -----------------------------------------------------
 
     def encode_notice(self, notice: Completion) -> bytes:
         """The compact form of ``notice`` for a transfer notification."""

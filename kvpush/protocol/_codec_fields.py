@@ -15,6 +15,7 @@ import math
 import reprlib
 import struct
 from collections.abc import Callable
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
@@ -150,6 +151,43 @@ def _wire_list(v: Any, lo: int, hi: int, what: str) -> list[Any]:
     return v
 
 
+def _same(v: Any) -> Any:
+    return v
+
+
+def _array(
+    item: Kind, lo: int, hi: int, what: str, check: Callable[[list[Any]], None] | None = None
+) -> Kind:
+    """``lo`` to ``hi`` values of kind ``item``: a tuple or list to the wire, a
+    msgpack array (a list) on it, a tuple from it; ``check`` sees them all."""
+    enc_one, dec_one = item
+
+    def enc(v: Any) -> list[Any]:
+        out = [enc_one(x) for x in _seq(v, lo, hi, what)]
+        if check is not None:
+            check(out)
+        return out
+
+    def dec(v: Any) -> tuple[Any, ...]:
+        out = [dec_one(x) for x in _wire_list(v, lo, hi, what)]
+        if check is not None:
+            check(out)
+        return tuple(out)
+
+    return enc, dec
+
+
+def _unique(error: str, at: int | None = None) -> Callable[[list[Any]], None]:
+    """A check that the values (or their item ``at``) are distinct."""
+
+    def check(values: list[Any]) -> None:
+        keys = values if at is None else [v[at] for v in values]
+        if len(set(keys)) != len(keys):
+            raise FieldError(error)
+
+    return check
+
+
 def _source_kind(max_ranks: int) -> Kind:
     rank = _int_kind(0, max_ranks - 1)[0]
 
@@ -206,31 +244,8 @@ def _blocks_kind(max_groups: int, max_ids: int) -> Kind:
 
 
 def _fingerprint_kind(max_entries: int, max_len: int) -> Kind:
-    text = _text_kind(max_len, nonempty=False)[0]
-
-    def check(pairs: list[tuple[str, str]]) -> None:
-        if len({k for k, _ in pairs}) != len(pairs):
-            raise FieldError("duplicate fingerprint key")
-
-    def enc(v: Any) -> list[list[str]]:
-        pairs = [
-            tuple(_seq(p, 2, 2, "fingerprint entry"))
-            for p in _seq(v, 0, max_entries, "fingerprint")
-        ]
-        out = [(text(k), text(x)) for k, x in pairs]
-        check(out)
-        return [list(p) for p in out]
-
-    def dec(v: Any) -> tuple[tuple[str, str], ...]:
-        wire = [
-            _wire_list(p, 2, 2, "fingerprint entry")
-            for p in _wire_list(v, 0, max_entries, "fingerprint")
-        ]
-        out = [(text(k), text(x)) for k, x in wire]
-        check(out)
-        return tuple(out)
-
-    return enc, dec
+    entry = _array(_text_kind(max_len, nonempty=False), 2, 2, "fingerprint entry")
+    return _array(entry, 0, max_entries, "fingerprint", _unique("duplicate fingerprint key", 0))
 
 
 #: Unpacker limits of the document inside a layout field.
@@ -305,64 +320,29 @@ def _unpack_layout(data: bytes) -> KVLayout:
 def _ranks_kind(max_ranks: int, max_bytes: int) -> Kind:
     """Per-rank opaque blobs: an array of bins, bounded in count and in total."""
 
+    def blob(error: str) -> _Conv:
+        def conv(v: Any) -> bytes:
+            if type(v) is not bytes:
+                raise FieldError(error)
+            return v
+
+        return conv
+
     def check(blobs: list[bytes]) -> None:
         if sum(len(b) for b in blobs) > max_bytes:
             raise FieldError(f"rank descriptions exceed {max_bytes} bytes in all")
 
-    def enc(v: Any) -> list[bytes]:
-        blobs = list(_seq(v, 0, max_ranks, "ranks"))
-        if any(type(b) is not bytes for b in blobs):
-            raise FieldError("ranks must be bytes")
-        check(blobs)
-        return blobs
-
-    def dec(v: Any) -> tuple[bytes, ...]:
-        blobs = _wire_list(v, 0, max_ranks, "ranks")
-        if any(type(b) is not bytes for b in blobs):
-            raise FieldError("ranks must be bins")
-        check(blobs)
-        return tuple(blobs)
-
-    return enc, dec
+    return _array(
+        (blob("ranks must be bytes"), blob("ranks must be bins")), 0, max_ranks, "ranks", check
+    )
 
 
-def _stage_kind() -> Kind:
+def _check_stage(v: list[Any]) -> None:
     """A staging slot: ``[]`` (none) or ``[offset, nbytes]``, nbytes > 0."""
-
-    def check(v: list[Any]) -> tuple[int, ...]:
-        if len(v) not in (0, 2) or any(type(x) is not int or not 0 <= x <= U64_MAX for x in v):
-            raise FieldError(f"expected [] or [offset, nbytes], got {_show(v)}")
-        if v and v[1] == 0:
-            raise FieldError("a staging slot has nbytes > 0")
-        return tuple(v)
-
-    def enc(v: Any) -> list[int]:
-        return list(check(list(_seq(v, 0, 2, "stage"))))
-
-    def dec(v: Any) -> tuple[int, ...]:
-        return check(list(_wire_list(v, 0, 2, "stage")))
-
-    return enc, dec
-
-
-def _modes_kind() -> Kind:
-    enc_one, dec_one = _enum_kind(Mode)
-
-    def check(modes: list[Any]) -> None:
-        if len(set(modes)) != len(modes):
-            raise FieldError("duplicate mode")
-
-    def enc(v: Any) -> list[str]:
-        out = [enc_one(m) for m in _seq(v, 1, len(Mode), "modes")]
-        check(out)
-        return out
-
-    def dec(v: Any) -> tuple[Mode, ...]:
-        out = [dec_one(m) for m in _wire_list(v, 1, len(Mode), "modes")]
-        check(out)
-        return tuple(out)
-
-    return enc, dec
+    if len(v) not in (0, 2) or any(type(x) is not int or not 0 <= x <= U64_MAX for x in v):
+        raise FieldError(f"expected [] or [offset, nbytes], got {_show(v)}")
+    if v and v[1] == 0:
+        raise FieldError("a staging slot has nbytes > 0")
 
 
 # --- the message table ----------------------------------------------------------
@@ -388,55 +368,46 @@ TYPE_CODES: dict[type[Any], int] = {
 
 
 def schemas(lim: CodecLimits) -> dict[type[Any], Schema]:
-    """Field kinds of every message, in declaration order, bound to ``lim``."""
+    """Field kinds of every message, in declaration order, bound to ``lim``.
+
+    One kind per field name: a field of the same name is encoded the same way
+    in every message."""
     ident = _text_kind(lim.max_id_len, nonempty=True)
     epoch = _int_kind(0, EPOCH_MAX)
     lease = _seconds_kind(positive=False)
-    blocks = _blocks_kind(lim.max_kv_groups, lim.max_block_ids)
-    detail = _text_kind(lim.max_detail_len, nonempty=False)
     size = _int_kind(1, lim.max_ranks)
-    source = _source_kind(lim.max_ranks)
-    rank = _int_kind(0, lim.max_ranks - 1)
     flag = (_bool, _bool)
-    attempt = _int_kind(0, MAX_ATTEMPT)
-    key: Schema = (("transfer_id", ident), ("epoch", epoch))
-    return {
-        Hello: (
-            ("engine_id", ident),
-            ("instance", _int_kind(0, U64_MAX)),
-            ("role", _enum_kind(Role)),
-            ("tp", size),
-            ("pp", size),
-            ("num_kv_heads", _int_kind(1, MAX_HEADS)),
-            ("mla", flag),
-            ("kv_groups", _int_kind(1, lim.max_kv_groups)),
-            ("op_bound", _seconds_kind(positive=True)),
-            ("max_transit", _seconds_kind(positive=True)),
-            ("fingerprint", _fingerprint_kind(lim.max_fingerprint_entries, lim.max_id_len)),
-            ("modes", _modes_kind()),
-            ("version", _int_kind(0, 0xFFFF)),
-            ("layout", _layout_kind(lim.max_layout_bytes)),
-            ("ranks", _ranks_kind(lim.max_ranks, lim.max_ranks_bytes)),
-        ),
-        HelloReject: (("field", _text_kind(lim.max_id_len, nonempty=False)), ("detail", detail)),
-        Register: (
-            *key,
-            ("consumer", ident),
-            ("blocks", blocks),
-            ("lease", lease),
-            ("mode", _enum_kind(Mode)),
-            ("skip_tokens", _int_kind(0, EPOCH_MAX)),
-            ("attempt", attempt),
-            ("stage", _stage_kind()),
-        ),
-        Withdraw: key,
-        Abort: key,
-        Settled: key,
-        Rejected: (*key, ("reason", _enum_kind(RejectReason)), ("attempt", attempt)),
-        WriteFailed: (*key, ("source", source), ("consumer_rank", rank), ("detail", detail)),
-        Announce: (*key, ("blocks", blocks), ("lease", lease)),
-        ReadDone: (*key, ("ok", flag)),
-        Renew: key,
-        Extend: (*key, ("attempt", attempt), ("lease", lease)),
-        Heartbeat: (("seq", _int_kind(0, U64_MAX)),),
+    kinds: dict[str, Kind] = {
+        "transfer_id": ident,
+        "epoch": epoch,
+        "engine_id": ident,
+        "instance": _int_kind(0, U64_MAX),
+        "role": _enum_kind(Role),
+        "tp": size,
+        "pp": size,
+        "num_kv_heads": _int_kind(1, MAX_HEADS),
+        "mla": flag,
+        "kv_groups": _int_kind(1, lim.max_kv_groups),
+        "op_bound": _seconds_kind(positive=True),
+        "max_transit": _seconds_kind(positive=True),
+        "fingerprint": _fingerprint_kind(lim.max_fingerprint_entries, lim.max_id_len),
+        "modes": _array(_enum_kind(Mode), 1, len(Mode), "modes", _unique("duplicate mode")),
+        "version": _int_kind(0, 0xFFFF),
+        "layout": _layout_kind(lim.max_layout_bytes),
+        "ranks": _ranks_kind(lim.max_ranks, lim.max_ranks_bytes),
+        "field": _text_kind(lim.max_id_len, nonempty=False),
+        "detail": _text_kind(lim.max_detail_len, nonempty=False),
+        "consumer": ident,
+        "blocks": _blocks_kind(lim.max_kv_groups, lim.max_block_ids),
+        "lease": lease,
+        "mode": _enum_kind(Mode),
+        "skip_tokens": _int_kind(0, EPOCH_MAX),
+        "attempt": _int_kind(0, MAX_ATTEMPT),
+        "stage": _array((_same, _same), 0, 2, "stage", _check_stage),
+        "reason": _enum_kind(RejectReason),
+        "source": _source_kind(lim.max_ranks),
+        "consumer_rank": _int_kind(0, lim.max_ranks - 1),
+        "ok": flag,
+        "seq": _int_kind(0, U64_MAX),
     }
+    return {cls: tuple((f.name, kinds[f.name]) for f in fields(cls)) for cls in TYPE_CODES}

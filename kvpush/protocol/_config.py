@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ._errors import ConfigError
 from ._layout import KVLayout
 from ._messages import Hello
+from ._options import check_options, option
 from ._topology import MAX_RANKS
 from ._types import MAX_ID_LEN, Mode, Role
 
@@ -16,15 +18,8 @@ __all__ = ("ConsumerConfig", "Identity", "ProducerConfig", "Timing")
 #: ``max_ready_timeout`` / ``max_kv_hold_timeout`` unless configured, as a
 #: multiple of the base timeout.
 RENEW_LIMIT = 10
-
-
-#: ``Timing.max_transit`` unless configured (seconds).
-_MAX_TRANSIT = 2.0
-
-
-def _positive(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+#: A positive number of seconds (each field's docs: its class's docstring).
+_S: dict[str, Any] = {"unit": "s", "above": 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,26 +42,15 @@ class Timing:
     ``None`` means ``max_transit / 2`` (:attr:`stall_guard`).
     """
 
-    max_transit: float = _MAX_TRANSIT
-    op_bound: float = 10.0
-    hello_retry: float = 1.0
-    hello_retry_max: float = 8.0
-    hello_retries: int = 8
-    stall_window: float | None = None
+    max_transit: float = option(2.0, **_S)
+    op_bound: float = option(10.0, **_S)
+    hello_retry: float = option(1.0, **_S)
+    hello_retry_max: float = option(8.0, unit="s", low="hello_retry")
+    hello_retries: int = option(8, low=0, high=1000)
+    stall_window: float | None = option(None, **_S)
 
     def __post_init__(self) -> None:
-        _positive("max_transit", self.max_transit)
-        _positive("op_bound", self.op_bound)
-        _positive("hello_retry", self.hello_retry)
-        _positive("hello_retry_max", self.hello_retry_max)
-        if self.hello_retry_max < self.hello_retry:
-            raise ConfigError("hello_retry_max must be >= hello_retry")
-        if type(self.hello_retries) is not int or not 0 <= self.hello_retries <= 1000:
-            raise ConfigError(
-                f"hello_retries must be an int in [0, 1000], got {self.hello_retries!r}"
-            )
-        if self.stall_window is not None:
-            _positive("stall_window", self.stall_window)
+        check_options(self)
 
     @property
     def stall_guard(self) -> float:
@@ -75,27 +59,25 @@ class Timing:
         return self.max_transit / 2 if self.stall_window is None else self.stall_window
 
 
-def _check_fingerprint(fingerprint: tuple[tuple[str, str], ...]) -> None:
-    keys = [k for k, _ in fingerprint]
-    if len(keys) != len(set(keys)) or len(keys) > 32:
-        raise ConfigError("fingerprint keys must be unique (at most 32 entries)")
-    for k, v in fingerprint:
-        if not k or len(k.encode()) > MAX_ID_LEN or len(v.encode()) > MAX_ID_LEN:
-            raise ConfigError(f"fingerprint entry {k!r} is empty or too long")
+def _fingerprint(value: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    keys = {k for k, v in value if k and len(k.encode()) <= MAX_ID_LEN >= len(v.encode())}
+    if len(keys) != len(value) or len(keys) > 32:
+        raise ValueError(f"at most 32 pairs of str, unique non-empty keys, <= {MAX_ID_LEN} bytes")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
 class Identity:
     """What a peer learns about this endpoint at handshake."""
 
-    engine_id: str
-    instance: int
-    tp: int = 1
-    pp: int = 1
-    num_kv_heads: int = 8
-    mla: bool = False
-    kv_groups: int = 1
-    fingerprint: tuple[tuple[str, str], ...] = ()
+    engine_id: str = option(high=MAX_ID_LEN)
+    instance: int = option(low=0, high=2**64 - 1)
+    tp: int = option(1, low=1, high=MAX_RANKS)
+    pp: int = option(1, low=1, high=MAX_RANKS)
+    num_kv_heads: int = option(8, low=1, high=1 << 16)
+    mla: bool = option(False)
+    kv_groups: int = option(1, low=1, high=64)
+    fingerprint: tuple[tuple[str, str], ...] = option((), parse=_fingerprint)
     modes: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL)
     #: This rank group's KV memory; its fingerprint joins ``fingerprint``.
     layout: KVLayout | None = None
@@ -103,27 +85,17 @@ class Identity:
     ranks: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
-        if type(self.instance) is not int or not 0 <= self.instance < 1 << 64:
-            raise ConfigError(f"instance must be an int in [0, 2**64), got {self.instance!r}")
-        _check_fingerprint(self.fingerprint)
+        check_options(self)
         if self.layout is not None and self.layout.num_groups != self.kv_groups:
             raise ConfigError(
                 f"layout has {self.layout.num_groups} KV groups, kv_groups is {self.kv_groups}"
             )
-        if not self.engine_id or len(self.engine_id.encode()) > MAX_ID_LEN:
-            raise ConfigError("engine_id must be a non-empty str of at most 256 bytes")
-        for name in ("tp", "pp"):
-            v = getattr(self, name)
-            if type(v) is not int or not 1 <= v <= MAX_RANKS:
-                raise ConfigError(f"{name} must be an int in [1, {MAX_RANKS}], got {v!r}")
-        if type(self.kv_groups) is not int or not 1 <= self.kv_groups <= 64:
-            raise ConfigError(f"kv_groups must be an int in [1, 64], got {self.kv_groups!r}")
-        if type(self.num_kv_heads) is not int or not 1 <= self.num_kv_heads <= 1 << 16:
-            raise ConfigError(f"num_kv_heads must be a positive int, got {self.num_kv_heads!r}")
         if not self.modes:
             raise ConfigError("modes must name at least one mode")
 
-    def hello(self, role: Role, op_bound: float, max_transit: float = _MAX_TRANSIT) -> Hello:
+    def hello(
+        self, role: Role, op_bound: float, max_transit: float = Timing().max_transit
+    ) -> Hello:
         """The handshake message this identity sends (an endpoint passes its
         ``Timing``'s ``op_bound`` and ``max_transit``)."""
         return Hello(
@@ -171,31 +143,16 @@ class ConsumerConfig:
 
     identity: Identity
     timing: Timing = Timing()
-    ready_timeout: float = 30.0
-    max_reserved_blocks: int | None = None
-    epoch_base: int = 0
-    max_ready_timeout: float | None = None
-    max_suspect_blocks: int | None = None
-    staging_bytes: int = 0
-    staging_page: int = 1 << 16
+    ready_timeout: float = option(30.0, **_S)
+    max_reserved_blocks: int | None = option(None, low=0)
+    epoch_base: int = option(0, low=0)
+    max_ready_timeout: float | None = option(None, unit="s", low="ready_timeout")
+    max_suspect_blocks: int | None = option(None, low=0)
+    staging_bytes: int = option(0, unit="bytes", low=0)
+    staging_page: int = option(1 << 16, unit="bytes", low=1)
 
     def __post_init__(self) -> None:
-        _positive("ready_timeout", self.ready_timeout)
-        if self.max_ready_timeout is not None:
-            _positive("max_ready_timeout", self.max_ready_timeout)
-            if self.max_ready_timeout < self.ready_timeout:
-                raise ConfigError("max_ready_timeout must be >= ready_timeout")
-        cap = self.max_suspect_blocks
-        if cap is not None and (type(cap) is not int or cap < 0):
-            raise ConfigError("max_suspect_blocks must be an int >= 0 or None")
-        if self.max_reserved_blocks is not None and self.max_reserved_blocks < 0:
-            raise ConfigError("max_reserved_blocks must be >= 0 or None")
-        if self.epoch_base < 0:
-            raise ConfigError("epoch_base must be >= 0")
-        if type(self.staging_bytes) is not int or self.staging_bytes < 0:
-            raise ConfigError("staging_bytes must be an int >= 0")
-        if type(self.staging_page) is not int or self.staging_page < 1:
-            raise ConfigError("staging_page must be an int >= 1")
+        check_options(self)
 
     @property
     def suspect_cap(self) -> float:
@@ -228,19 +185,12 @@ class ProducerConfig:
 
     identity: Identity
     timing: Timing = Timing()
-    kv_hold_timeout: float = 30.0
-    tombstone_ttl: float = 60.0
-    max_kv_hold_timeout: float | None = None
+    kv_hold_timeout: float = option(30.0, **_S)
+    tombstone_ttl: float = option(60.0, unit="s", above="timing.max_transit")
+    max_kv_hold_timeout: float | None = option(None, unit="s", low="kv_hold_timeout")
 
     def __post_init__(self) -> None:
-        _positive("kv_hold_timeout", self.kv_hold_timeout)
-        if self.max_kv_hold_timeout is not None:
-            _positive("max_kv_hold_timeout", self.max_kv_hold_timeout)
-            if self.max_kv_hold_timeout < self.kv_hold_timeout:
-                raise ConfigError("max_kv_hold_timeout must be >= kv_hold_timeout")
-        _positive("tombstone_ttl", self.tombstone_ttl)
-        if self.tombstone_ttl <= self.timing.max_transit:
-            raise ConfigError("tombstone_ttl must exceed timing.max_transit")
+        check_options(self)
 
     @property
     def hold_limit(self) -> float:

@@ -2,8 +2,8 @@
 
 One :class:`Consumer` serves one decode instance (all its TP ranks). Each
 reservation is one (transfer, epoch) and moves through ``CONSUMER_PUSH`` or
-``CONSUMER_PULL`` in ``_tables.py``; this module only performs the side effects
-of those transitions.
+``CONSUMER_PULL`` in ``_tables.py``; this module computes which input applies
+and defines the effects their rows name.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ._config import ConsumerConfig
-from ._endpoint import Endpoint, PeerView, Timer, _OpsKey, overdue_pairs
+from ._endpoint import Endpoint, PeerView, Timer, overdue_pairs
 from ._errors import LocalProtocolError
+from ._machine import Machine
 from ._messages import (
     Abort,
     Announce,
@@ -97,9 +98,6 @@ _FAILURE = {
     CInput.READS_SETTLED: FailureReason.TRANSFER_FAILED,
 }
 
-#: States in which a reservation is still the transfer's live one.
-_LIVE = frozenset((CState.WAITING_PEER, CState.AWAITING, CState.RETRY_WAIT, CState.READING))
-
 #: Registrations of one epoch sent again after ``Rejected(STALLED)``.
 STALL_RETRIES = 3
 
@@ -107,16 +105,6 @@ STALL_RETRIES = 3
 #: ``SUSPECT`` and again after 2, 4, 8, 8, ... ``max_transit`` while its
 #: producer is connected: an answer may be lost, and nothing else ends it.
 SUSPECT_PROBE_CAP = 8
-
-#: Timers each state keeps armed (everything else is cancelled on entry).
-_TIMERS: dict[CState, tuple[Timer, ...]] = {
-    CState.WAITING_PEER: (Timer.DEADLINE,),
-    CState.AWAITING: (Timer.DEADLINE,),
-    CState.RETRY_WAIT: (Timer.DEADLINE, Timer.RETRY),
-    CState.READING: (Timer.DEADLINE,),
-    CState.DRAINING: (Timer.QUARANTINE,),
-    CState.SUSPECT: (Timer.RETRY,),  # the next probe; none ends it
-}
 
 
 @dataclass(slots=True, eq=False)
@@ -181,6 +169,8 @@ class Consumer(Endpoint):
         self._reserved_blocks = 0
         #: Suspect blocks per producer (see ``CState.SUSPECT``).
         self._suspect: dict[str, int] = {}
+        #: The detail and reason of the input being applied (see ``_step``).
+        self._failure: tuple[str, FailureReason | None] = ("", None)
         self._slots = SlotPool(config.staging_bytes, config.staging_page)
 
     # --- queries ------------------------------------------------------------
@@ -548,7 +538,7 @@ class Consumer(Endpoint):
         message = Extend(rec.transfer_id, rec.epoch, rec.attempt, lease)
         self._out.append(Send(rec.peer, message))
 
-    def _probe(self, now: float, rec: _Reservation) -> None:
+    def _probe(self, now: float, rec: _Reservation, inp: CInput | None = None) -> None:
         """Ask the producer of a suspect epoch to settle it: it answers a
         ``Withdraw`` with ``Settled`` once nothing of that epoch is in flight
         (at once if nothing is), and never takes that epoch again. After the
@@ -600,9 +590,6 @@ class Consumer(Endpoint):
             )
         self._arm_ops(rec.reads, rec.op_timer, (rec.transfer_id, rec.epoch))
 
-    def _on_unready_message(self, now: float, peer: str, message: ControlMessage) -> None:
-        pass
-
     def _on_peer_ready(self, now: float, peer: str) -> None:
         view = self._peers[peer]
         assert view.hello is not None
@@ -634,12 +621,26 @@ class Consumer(Endpoint):
 
     # --- timers ---------------------------------------------------------------------
 
-    def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
-        if type(key) is _OpsKey:
-            rec = self._res.get(key.key)  # type: ignore[call-overload]
-            return rec.op_timer if rec is not None else None
-        rec = self._res.get(key)  # type: ignore[call-overload]
-        return rec.timers if rec is not None else None
+    def _machine(self, rec: _Reservation) -> Machine[CState, CInput]:
+        return CONSUMER_PUSH if rec.mode is Mode.PUSH else CONSUMER_PULL
+
+    def _key(self, rec: _Reservation) -> tuple[str, int]:
+        return (rec.transfer_id, rec.epoch)
+
+    def _record(self, key: Hashable) -> _Reservation | None:
+        return self._res.get(key)  # type: ignore[call-overload, no-any-return]
+
+    def _timer_input(self, now: float, kind: Hashable, rec: _Reservation) -> CInput:
+        if kind is not Timer.QUARANTINE:
+            return self._machine(rec).fires[kind]
+        view = self._peers.get(rec.peer)
+        live = (
+            view is not None
+            and view.state is PeerState.READY
+            and view.hello is not None
+            and view.hello.instance == rec.instance
+        )
+        return CInput.QUARANTINE_LIVE if live else CInput.QUARANTINE
 
     def _fire_overdue(self, now: float, key: Hashable) -> None:
         """Reads still in flight ``op_bound`` after their ``StartRead``: ask
@@ -649,43 +650,6 @@ class Consumer(Endpoint):
             self._counters["read_cancel"] += 1
             self._out.append(Cancel(rec.transfer_id, rec.epoch, rec.peer, source, rank))
         self._arm_ops(rec.reads, rec.op_timer, key)
-
-    def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
-        rec = self._res[key]  # type: ignore[index]
-        del rec.timers[kind]
-        if kind is Timer.DEADLINE:
-            self._step(now, rec, CInput.DEADLINE)
-        elif kind is Timer.RETRY and rec.state is CState.SUSPECT:
-            self._probe(now, rec)
-            self._step(now, rec, CInput.RETRY)
-            self._arm_for(rec)
-        elif kind is Timer.RETRY:
-            rec.attempt += 1
-            self._step(now, rec, CInput.RETRY)
-        else:  # Timer.QUARANTINE
-            view = self._peers.get(rec.peer)
-            live = (
-                view is not None
-                and view.state is PeerState.READY
-                and view.hello is not None
-                and view.hello.instance == rec.instance
-            )
-            self._step(now, rec, CInput.QUARANTINE_LIVE if live else CInput.QUARANTINE)
-
-    def _arm_for(self, rec: _Reservation) -> None:
-        old, rec.timers = rec.timers, {}
-        key = (rec.transfer_id, rec.epoch)
-        for kind in _TIMERS.get(rec.state, ()):
-            if kind is Timer.DEADLINE:
-                when = rec.deadline
-            elif kind is Timer.RETRY:
-                when = rec.retry_at
-            else:
-                when = rec.quarantine_at
-            if old.get(kind) == when:  # its heap entry is still queued and valid
-                rec.timers[kind] = when
-            else:
-                self._arm(rec.timers, kind, when, key)
 
     # --- transitions -------------------------------------------------------------
 
@@ -711,85 +675,29 @@ class Consumer(Endpoint):
         detail: str = "",
         reason: FailureReason | None = None,
     ) -> bool:
-        """Apply ``inp`` to ``rec`` through the table, then its side effects."""
-        table = CONSUMER_PUSH if rec.mode is Mode.PUSH else CONSUMER_PULL
-        old = rec.state
-        new = table.get((old, inp))
-        if new is None:
-            if remote:
-                self._counters[f"ignored_{inp.value}_in_{old.value}"] += 1
-                return False
-            raise LocalProtocolError(f"{inp.name} is not allowed in state {old.name}")
-        rec.state = new
-        if new not in _LIVE and self._live.get(rec.transfer_id) is rec:
-            del self._live[rec.transfer_id]
-        if new is not old:
-            self._enter(now, rec, old, inp, detail, reason)
-        return True
+        """Apply ``inp`` to ``rec``; ``detail`` and ``reason`` go in the
+        ``Failed`` its row may emit (``reason`` by default: ``_FAILURE``)."""
+        self._failure = (detail, reason)
+        return super()._step(now, rec, inp, remote=remote)
 
-    def _enter(
-        self,
-        now: float,
-        rec: _Reservation,
-        old: CState,
-        inp: CInput,
-        detail: str,
-        reason: FailureReason | None,
-    ) -> None:
-        new = rec.state
-        tid, epoch = rec.transfer_id, rec.epoch
-        # Only a live reservation fails: after the caller's own preempt or abort,
-        # Settled / settled pairs merely end the drain.
-        if inp in _FAILURE and not rec.failed and old in _LIVE:
-            rec.failed = True
-            rec.timeline.failed = now
-            self._out.append(Failed(tid, epoch, reason or _FAILURE[inp], detail))
-        if CState.SUSPECT in (old, new):
-            self._count_suspect(now, rec, old)
-        if new is CState.AWAITING:
-            self._register(now, rec)
-        elif new is CState.READ_DRAIN:
-            rec.after_reads = inp
-        elif new is CState.READY:
-            # Pull: our reads are done. Push: the acknowledgment that ends the
-            # producer's hold of the delivered KV.
-            self._out.append(Send(rec.peer, ReadDone(tid, epoch, True)))
-            rec.timeline.ready = now
-            self._end(rec)
-            self._out.append(Ready(tid, epoch, rec.blocks, rec.timeline.freeze()))
+    # --- effects, named by the rows of CONSUMER_PUSH and CONSUMER_PULL -----------
+
+    def _fail(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        """The live reservation failed: tell the caller, once. (After the
+        caller's own preempt or abort nothing fails: Settled, settled pairs
+        or reads merely end the drain.)"""
+        if rec.failed:
             return
-        elif new is CState.RELEASED:
-            self._tell_producer(rec, old, inp)
-            rec.timeline.released = now
-            self._end(rec)
-            self._out.append(Released(tid, epoch, rec.blocks, rec.timeline.freeze()))
-            return
-        elif new is CState.DRAINING and old is CState.SUSPECT:
-            # The producer is gone (PEER_DOWN): a fresh quarantine from now.
-            assert inp is CInput.PEER_DOWN
-            rec.quarantine_at = now + self.config.timing.max_transit + rec.op_bound
-        elif new is CState.DRAINING:
-            self._tell_producer(rec, old, inp)
-        self._arm_for(rec)
+        detail, reason = self._failure
+        rec.failed = True
+        rec.timeline.failed = now
+        self._out.append(Failed(rec.transfer_id, rec.epoch, reason or _FAILURE[inp], detail))
 
-    def _count_suspect(self, now: float, rec: _Reservation, old: CState) -> None:
-        """Entering ``SUSPECT`` (a write may still land: hold the blocks until
-        a proof arrives, and ask for it) or leaving it."""
-        held = self._suspect.get(rec.peer, 0)
-        if old is CState.SUSPECT:
-            held -= rec.nblocks
-        else:
-            held += rec.nblocks
-            self._counters["suspect"] += 1
-            rec.timeline.suspect = now
-            rec.probes = 0
-            self._probe(now, rec)
-        if held:
-            self._suspect[rec.peer] = held
-        else:
-            del self._suspect[rec.peer]
+    def _next_attempt(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        rec.attempt += 1
 
-    def _register(self, now: float, rec: _Reservation) -> None:
+    def _register(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        """AWAITING: send the registration, which fixes the quarantine."""
         view = self._peers[rec.peer]
         assert view.topology is not None and view.hello is not None
         rec.topology = view.topology
@@ -815,25 +723,80 @@ class Consumer(Endpoint):
         )
         self._out.append(Send(rec.peer, msg))
 
-    def _tell_producer(self, rec: _Reservation, old: CState, inp: CInput) -> None:
-        """Send what the producer must hear when we leave a registered state."""
-        if inp is CInput.READS_SETTLED:
-            inp = rec.after_reads or inp
-        if old is CState.WAITING_PEER or inp is CInput.PEER_DOWN:
-            return
-        tid, epoch, peer = rec.transfer_id, rec.epoch, rec.peer
-        if inp is CInput.PREEMPT:
-            self._out.append(Send(peer, Withdraw(tid, epoch)))
-        elif inp in (CInput.ABORT, CInput.DEADLINE):
-            self._out.append(Send(peer, Abort(tid, epoch)))
-        elif rec.mode is Mode.PULL and old in (CState.READING, CState.READ_DRAIN):
-            self._out.append(Send(peer, ReadDone(tid, epoch, False)))
+    def _send_withdraw(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        self._out.append(Send(rec.peer, Withdraw(rec.transfer_id, rec.epoch)))
+
+    def _send_abort(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        self._out.append(Send(rec.peer, Abort(rec.transfer_id, rec.epoch)))
+
+    def _send_reads_failed(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        """Pull: our reads are over, not all of them succeeded."""
+        self._out.append(Send(rec.peer, ReadDone(rec.transfer_id, rec.epoch, False)))
+
+    def _tell_after_reads(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        """Pull: the reads settled after the input that failed or withdrew the
+        reservation (``after_reads``): tell the producer what it must hear."""
+        after = rec.after_reads
+        if after is CInput.PREEMPT:
+            self._send_withdraw(now, rec, inp)
+        elif after in (CInput.ABORT, CInput.DEADLINE):
+            self._send_abort(now, rec, inp)
+        elif after is not CInput.PEER_DOWN:  # a lost producer hears nothing
+            self._send_reads_failed(now, rec, inp)
+
+    def _drain(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        """DRAINING: no longer the transfer's live reservation."""
+        self._unlive(rec)
+
+    def _read_drain(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        self._unlive(rec)
+        rec.after_reads = inp
+
+    def _requarantine(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        """SUSPECT -> DRAINING: the producer is gone; a fresh quarantine from now."""
+        rec.quarantine_at = now + self.config.timing.max_transit + rec.op_bound
+
+    def _hold_suspect(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        """SUSPECT: a write may still land: hold the blocks until a proof
+        arrives, and ask for it."""
+        self._count_suspect(rec, rec.nblocks)
+        self._counters["suspect"] += 1
+        rec.timeline.suspect = now
+        rec.probes = 0
+        self._probe(now, rec)
+
+    def _drop_suspect(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        self._count_suspect(rec, -rec.nblocks)
+
+    def _count_suspect(self, rec: _Reservation, blocks: int) -> None:
+        held = self._suspect.get(rec.peer, 0) + blocks
+        if held:
+            self._suspect[rec.peer] = held
+        else:
+            del self._suspect[rec.peer]
+
+    def _ready(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        """READY. Pull: our reads are done. Push: the acknowledgment ends the
+        producer's hold of the delivered KV."""
+        tid, epoch = rec.transfer_id, rec.epoch
+        self._out.append(Send(rec.peer, ReadDone(tid, epoch, True)))
+        rec.timeline.ready = now
+        self._end(rec)
+        self._out.append(Ready(tid, epoch, rec.blocks, rec.timeline.freeze()))
+
+    def _release(self, now: float, rec: _Reservation, inp: CInput) -> None:
+        rec.timeline.released = now
+        self._end(rec)
+        self._out.append(Released(rec.transfer_id, rec.epoch, rec.blocks, rec.timeline.freeze()))
+
+    def _unlive(self, rec: _Reservation) -> None:
+        if self._live.get(rec.transfer_id) is rec:
+            del self._live[rec.transfer_id]
 
     def _end(self, rec: _Reservation) -> None:
         rec.timers.clear()
         del self._res[(rec.transfer_id, rec.epoch)]
-        if self._live.get(rec.transfer_id) is rec:
-            del self._live[rec.transfer_id]
+        self._unlive(rec)
         self._reserved_blocks -= rec.nblocks
         if rec.stage:
             self._slots.give(rec.stage)

@@ -3,51 +3,21 @@ the output queue and the counters."""
 
 from __future__ import annotations
 
-import enum
-import heapq
 import math
-from collections import Counter
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from ._config import Identity, Timing
 from ._errors import IncompatiblePeerError, LocalProtocolError, TopologyError
+from ._machine import Engine
 from ._messages import Announce, ControlMessage, Extend, Heartbeat, Hello, HelloReject, Register
 from ._outputs import Output, PeerFailed, PeerReady, Send
-from ._tables import PEER, PeerInput, PeerState
+from ._tables import PEER, PeerInput, PeerState, Timer
 from ._topology import Topology, compute_topology
 from ._types import FailureReason, Pair, Role
 
 __all__ = ("Endpoint", "PeerView", "Timer", "check_compatible", "overdue_pairs")
-
-
-class Timer(enum.Enum):
-    """The kinds of timer an endpoint arms (one heap, lazily invalidated)."""
-
-    __hash__ = object.__hash__  # hashed by identity, like the table enums
-
-    #: Consumer: the reservation is not ready in time.
-    DEADLINE = "deadline"
-    #: No write (consumer) or read (producer) of the epoch can land any more,
-    #: unless its initiator is connected and silent (consumer: ``SUSPECT``).
-    QUARANTINE = "quarantine"
-    #: Producer: forget an unused record or a tombstone.
-    EXPIRE = "expire"
-    #: Producer: a waiting registration's lease ran out, or is half gone
-    #: (send a ``Renew``).
-    LEASE = "lease"
-    #: Producer: ready KV found no usable registration in time, or delivered
-    #: KV no acknowledgment.
-    HOLD = "hold"
-    #: Consumer: send a registration the producer dropped after a stall again
-    #: (``RETRY_WAIT``), or the next probe of a suspect epoch (``SUSPECT``).
-    RETRY = "retry"
-    #: Handshake: our hello went unanswered; send it again (``HELLO_SENT``).
-    HELLO_RETRY = "hello_retry"
-    #: An op this side posted (producer: a write; consumer: a read) is still
-    #: in flight ``op_bound`` after it was handed over: ask for its cancel.
-    OVERDUE = "overdue"
 
 
 #: Hello fields that must be equal on both sides (after the fingerprint).
@@ -136,11 +106,6 @@ class _PeerKey:
     peer: str
 
 
-#: A heap entry: (when, seq, kind, key). A plain tuple, so the heap compares in C;
-#: ``seq`` is unique, so ``kind`` and ``key`` are never compared.
-_TimerEntry = tuple[float, int, Timer, Hashable]
-
-
 @dataclass(frozen=True, slots=True)
 class _OpsKey:
     """The timer key of a record's in-flight ops (never equal to a record's key)."""
@@ -157,22 +122,20 @@ def overdue_pairs(ops: dict[Pair, float], now: float) -> list[Pair]:
     return due
 
 
-class Endpoint:
+class Endpoint(Engine):
     """Base of :class:`Producer` and :class:`Consumer`; not used on its own."""
 
     role: Role
 
     def __init__(self, identity: Identity, timing: Timing) -> None:
+        super().__init__()
         self.identity = identity
         self._timing = timing
         self._hello = identity.hello(self.role, timing.op_bound, timing.max_transit)
         self._out: list[Output] = []
-        self._counters: Counter[str] = Counter()
         self._peers: dict[str, PeerView] = {}
         #: Per peer: its armed handshake timer (at most ``HELLO_RETRY``).
         self._peer_timers: dict[str, dict[Timer, float]] = {}
-        self._heap: list[_TimerEntry] = []
-        self._seq = 0
         #: Lease-bearing messages received up to this time are refused (a stall).
         self._stall_until = -math.inf
         #: Lease-bearing messages refused after a stall (also ``stats()``).
@@ -194,46 +157,24 @@ class Endpoint:
         view = self._peers.get(peer, PeerView())
         return PeerView(view.state, view.hello, view.topology, view.failure, view.attempts)
 
-    # --- timers -----------------------------------------------------------------
+    # --- timers: a record's own (the engine's), its ops' and the handshake's ----
 
-    def next_deadline(self) -> float | None:
-        """The earliest time at which :meth:`handle_timer` has work, or ``None``."""
-        heap = self._heap
-        while heap:
-            top = heap[0]
-            if self._timer_valid(top):
-                return top[0]
-            heapq.heappop(heap)
-        return None
+    def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
+        if type(key) is _PeerKey:
+            return self._peer_timers.get(key.peer)
+        if type(key) is _OpsKey:
+            rec = self._record(key.key)
+            return None if rec is None else rec.op_timer
+        return super()._timers_of(key)
 
-    def handle_timer(self, now: float) -> None:
-        """Fire every timer due at or before ``now``."""
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            if self._timer_valid(entry):
-                key = entry[3]
-                if type(key) is _PeerKey:
-                    self._fire_peer(now, entry[2], key.peer)
-                elif type(key) is _OpsKey:
-                    timers = self._timers_of(key)
-                    assert timers is not None  # it was valid
-                    del timers[Timer.OVERDUE]
-                    self._fire_overdue(now, key.key)
-                else:
-                    self._fire(now, entry[2], key)
-
-    def _arm(self, timers: dict[Timer, float], kind: Timer, when: float, key: Hashable) -> None:
-        timers[kind] = when
-        self._seq += 1
-        heapq.heappush(self._heap, (when, self._seq, kind, key))
-
-    def _timer_valid(self, entry: _TimerEntry) -> bool:
-        when, _, kind, key = entry
-        timers = (
-            self._peer_timers.get(key.peer) if isinstance(key, _PeerKey) else self._timers_of(key)
-        )
-        return timers is not None and timers.get(kind) == when
+    def _due(self, now: float, kind: Hashable, key: Hashable) -> None:
+        if type(key) is _PeerKey:
+            self._fire_peer(now, kind, key.peer)  # type: ignore[arg-type]
+        elif type(key) is _OpsKey:
+            del self._record(key.key).op_timer[Timer.OVERDUE]
+            self._fire_overdue(now, key.key)
+        else:
+            self._fire(now, kind, key)
 
     def _arm_ops(self, ops: dict[Pair, float], timers: dict[Timer, float], key: Hashable) -> None:
         """Keep ``OVERDUE`` armed at the earliest op of ``ops`` (pair -> when
@@ -244,15 +185,8 @@ class Endpoint:
         elif timers.get(Timer.OVERDUE) != when:
             self._arm(timers, Timer.OVERDUE, when, _OpsKey(key))
 
-    def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
-        """A record's armed timers (its ops' timer for an ``_OpsKey``)."""
-        raise NotImplementedError
-
     def _fire_overdue(self, now: float, key: Hashable) -> None:
         """``OVERDUE`` of record ``key`` fired: cancel its overdue ops."""
-        raise NotImplementedError
-
-    def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
         raise NotImplementedError
 
     # --- process stalls -------------------------------------------------------
@@ -408,14 +342,11 @@ class Endpoint:
         self._on_peer_ready(now, peer)
 
     def _peer_step(self, peer: str, view: PeerView, inp: PeerInput) -> PeerState:
-        """Apply ``inp`` to ``view``; returns the *old* state. Leaving
-        ``HELLO_SENT`` cancels the hello's retry."""
+        """Apply ``inp`` to ``view`` (``PEER`` is total); returns the *old*
+        state. Leaving ``HELLO_SENT`` cancels the hello's retry."""
         old = view.state
-        new = PEER.get((old, inp))
-        if new is None:  # pragma: no cover - the peer table is total
-            raise LocalProtocolError(f"peer input {inp.name} in state {old.name}")
-        view.state = new
-        if old is PeerState.HELLO_SENT and new is not PeerState.HELLO_SENT:
+        view.state = PEER[old, inp]
+        if old is PeerState.HELLO_SENT and view.state is not PeerState.HELLO_SENT:
             self._peer_timers.pop(peer, None)
         return old
 

@@ -1,28 +1,8 @@
 """Where one rank keeps its KV cache: a declarative, validated description.
 
-A producer cannot write into a consumer's memory, and a consumer cannot read a
-producer's, without knowing *where* every block of every layer lives and how
-the bytes of one block are arranged. :class:`KVLayout` is that description:
-a tuple of :class:`Region` values, one per registered KV tensor (vLLM keeps
-one per layer, or one per layer *and* per K/V when the attention backend splits
-them). It is built locally from the engine's tensors, carried to the peer in
-the handshake (:meth:`KVLayout.to_wire` / :meth:`KVLayout.from_wire`), and fed
-to the planner (``kvpush/runtime/_plan.py``) together with the peer's layout.
-
-Two things make the description small but sufficient:
-
-* a block is ``tokens_per_block * num_heads * head_bytes`` bytes, arranged
-  either token-major (:attr:`HeadOrder.NHD`, vLLM's LBNHC: token, then head,
-  then channel) or head-major (:attr:`HeadOrder.HND`, LBHNC: head, then token,
-  then channel). That is all the planner needs to find any (token, head);
-* ``block_stride`` may exceed ``block_len``, so blocks that are not packed back
-  to back (vLLM's FlashInfer layout keeps K and V of one block side by side:
-  describe it as two regions, V at ``base + block_len``, both with stride
-  ``2 * block_len``) need no special case.
-
-A layout received from a peer is checked as strictly as a local one: it tells
-the producer where it may write in remote memory, so :meth:`KVLayout.from_wire`
-rejects anything malformed with :class:`RemoteProtocolError` and nothing else.
+docs/layouts.md describes the fields, the cell arithmetic and the wire form. A
+layout received from a peer tells the producer where it may write in remote
+memory, so :meth:`KVLayout.from_wire` checks it as strictly as a local one.
 """
 
 from __future__ import annotations
@@ -31,7 +11,7 @@ import enum
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from ._errors import ConfigError, RemoteProtocolError
@@ -62,20 +42,17 @@ _KIND_RE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 
 
 class HeadOrder(enum.Enum):
-    """How the (token, head) cells of one block follow each other in memory."""
+    """How the (token, head) cells of one block follow each other in memory:
+    token-major (NHD, vLLM's LBNHC) or head-major (HND, LBHNC)."""
 
-    #: Token-major (vLLM's default LBNHC): all heads of token 0, then token 1, ...
     NHD = "NHD"
-    #: Head-major (LBHNC): all tokens of head 0, then head 1, ...
     HND = "HND"
 
 
 class MemoryType(enum.Enum):
     """Which memory a region lives in (NIXL's memory type names)."""
 
-    #: Host memory.
     DRAM = "DRAM"
-    #: Accelerator memory; ``Region.device`` is the device index.
     VRAM = "VRAM"
 
 
@@ -87,39 +64,23 @@ def _int(name: str, value: object, lo: int, hi: int) -> int:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Region:
-    """One registered KV tensor of one rank: ``num_blocks`` blocks of one layer.
+    """One registered KV tensor of one rank: ``num_blocks`` blocks of one layer
+    (the fields and the cell arithmetic: docs/layouts.md, "The layout description")."""
 
-    Block ``b`` occupies ``[base + b * block_stride, ... + block_len)``. Inside a
-    block, the cell of token ``t`` and local head ``h`` (``h`` counts from
-    ``head_start``, the first *global* KV head this rank holds) is
-    ``head_bytes`` long and starts at ``(t * num_heads + h) * head_bytes`` for
-    :attr:`HeadOrder.NHD` and at ``(h * tokens_per_block + t) * head_bytes``
-    for :attr:`HeadOrder.HND`.
-    """
-
-    #: Layer index in the model (the planner pairs regions by layer and kind).
     layer: int
-    #: What the region holds: conventionally ``"K"``, ``"V"`` or ``"MLA"``.
     kind: str
-    #: Address of block 0 (a real pointer, or an offset in a registered buffer).
     base: int
     num_blocks: int
-    #: Bytes of one block: must equal ``tokens_per_block * num_heads * head_bytes``.
     block_len: int
-    tokens_per_block: int
-    #: KV heads this rank holds in this region (1 for MLA's latent vector).
-    num_heads: int
-    #: Bytes of one token of one head (head size times element size).
-    head_bytes: int
-    #: Global index of the first KV head this rank holds.
-    head_start: int = 0
-    #: Distance between consecutive blocks; ``None`` means ``block_len``.
+    #: ``None`` means ``block_len``.
     block_stride: int | None = None
+    tokens_per_block: int
+    num_heads: int
+    head_start: int = 0
+    head_bytes: int
     order: HeadOrder = HeadOrder.NHD
     memory: MemoryType = MemoryType.VRAM
-    #: Device index (NIXL's ``devID``) of the memory.
     device: int = 0
-    #: KV cache group whose block table addresses this region.
     group: int = 0
 
     def __post_init__(self) -> None:
@@ -173,38 +134,17 @@ class Region:
 
     def to_wire(self) -> dict[str, Any]:
         """This region as a msgpack-able dict (see :meth:`KVLayout.to_wire`)."""
-        return {
-            "layer": self.layer,
-            "kind": self.kind,
-            "base": self.base,
-            "num_blocks": self.num_blocks,
-            "block_len": self.block_len,
-            "block_stride": self.stride,
-            "tokens_per_block": self.tokens_per_block,
-            "num_heads": self.num_heads,
-            "head_start": self.head_start,
-            "head_bytes": self.head_bytes,
-            "order": self.order.value,
-            "memory": self.memory.value,
-            "device": self.device,
-            "group": self.group,
-        }
+        return _to_wire(self)
 
 
-_WIRE_INT_FIELDS = (
-    "layer",
-    "base",
-    "num_blocks",
-    "block_len",
-    "block_stride",
-    "tokens_per_block",
-    "num_heads",
-    "head_start",
-    "head_bytes",
-    "device",
-    "group",
-)
-_WIRE_FIELDS = frozenset((*_WIRE_INT_FIELDS, "kind", "order", "memory"))
+def _to_wire(obj: Region | Staging) -> dict[str, Any]:
+    """Every field by name, in declaration order (the golden bytes pin it),
+    enums by value."""
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        out[f.name] = value.value if isinstance(value, enum.Enum) else value
+    return out
 
 
 def _digest(items: object) -> str:
@@ -218,15 +158,8 @@ def _summary(values: Sequence[str]) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Staging:
-    """One rank's registered staging pool: ``nbytes`` bytes at ``base``.
-
-    A staged transfer gathers its scattered KV pieces into the producer's pool,
-    moves them as one span per region into a slot of the consumer's pool, and
-    the consumer scatters them into its blocks before the transfer counts as
-    complete (docs/layouts.md, "Staged transfers"). The consumer's core hands
-    out its slots (:class:`~kvpush.protocol.ConsumerConfig`); the producer's
-    runtime borrows its own per write.
-    """
+    """One rank's registered staging pool: ``nbytes`` bytes at ``base``
+    (docs/layouts.md, "Staged transfers")."""
 
     base: int
     nbytes: int
@@ -241,17 +174,11 @@ class Staging:
             raise ConfigError(f"Staging.memory must be a MemoryType, got {self.memory!r}")
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "base": self.base,
-            "nbytes": self.nbytes,
-            "memory": self.memory.value,
-            "device": self.device,
-        }
+        return _to_wire(self)
 
     @classmethod
     def from_wire(cls, obj: object) -> Staging:
-        keys = {"base", "nbytes", "memory", "device"}
-        if not isinstance(obj, dict) or set(obj) != keys:
+        if not isinstance(obj, dict) or set(obj) != {f.name for f in fields(cls)}:
             raise RemoteProtocolError(
                 "KV layout staging must be a dict of base, nbytes, memory, device"
             )
@@ -264,19 +191,11 @@ class Staging:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """All KV regions of one rank. Their order is local: regions pair across
-    peers by ``(layer, kind)``, and plans follow the producer's order.
-
-    Invariants (checked on construction): at least one region; no two regions
-    with the same ``(layer, kind)``; KV groups numbered ``0 .. num_groups - 1``
-    with none missing; and within a group every region has the same
-    ``num_blocks`` and ``tokens_per_block``, because one block id addresses
-    the same block in every region of its group.
-    """
+    """All KV regions of one rank, paired across peers by ``(layer, kind)``;
+    the invariants checked on construction are in docs/layouts.md."""
 
     regions: tuple[Region, ...]
-    #: The rank's staging pool, if it has one (not part of the fingerprint:
-    #: either side may go without; a transfer is then written in place).
+    #: Not in the fingerprint: either side may go without (then writes go in place).
     staging: Staging | None = None
 
     def __post_init__(self) -> None:
@@ -324,16 +243,8 @@ class KVLayout:
         raise ConfigError(f"no KV group {group} in this layout")
 
     def fingerprint(self) -> tuple[tuple[str, str], ...]:
-        """Named values that must be equal on producer and consumer.
-
-        Only what no parallelism or memory choice may change: the layer count,
-        the region set (layer, kind and group of each region, in any order), the
-        number of KV groups, the bytes of one head of one token (head size
-        times dtype size) and the layout family (head order). Block size,
-        head counts, addresses and memory types may differ; the planner deals
-        with those. Put it in ``Identity.fingerprint`` so the handshake fails,
-        naming the field, before any transfer is planned.
-        """
+        """Named values that must be equal on producer and consumer, whatever
+        their parallelism, block size or memory (docs/layouts.md, "The fingerprint")."""
         regions = self.regions
         return (
             ("kv.layers", str(self.num_layers)),
@@ -345,11 +256,7 @@ class KVLayout:
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """A msgpack-able dict: ``{"version": 1, "regions": [region dicts]}``.
-
-        Values are only ``int``, ``str``, ``list`` and ``dict``; enums travel as
-        their ``value`` strings.
-        """
+        """A msgpack-able dict: ``{"version": 1, "regions": [region dicts]}``."""
         out: dict[str, Any] = {
             "version": LAYOUT_WIRE_VERSION,
             "regions": [r.to_wire() for r in self.regions],
@@ -360,17 +267,9 @@ class KVLayout:
 
     @classmethod
     def from_wire(cls, obj: object) -> KVLayout:
-        """Decode and validate a peer's :meth:`to_wire` output.
-
-        Raises :class:`RemoteProtocolError` (and no other exception) for any
-        malformed input: wrong types, missing or unknown keys, out-of-range
-        values, or a layout that breaks a :class:`KVLayout` invariant.
-        """
-        if not isinstance(obj, dict) or not {"version", "regions"} <= set(obj) <= {
-            "version",
-            "regions",
-            "staging",
-        }:
+        """A peer's :meth:`to_wire` output, validated; anything malformed raises
+        :class:`RemoteProtocolError` and no other exception."""
+        if not isinstance(obj, dict) or not {"version", "regions"} <= set(obj) <= _LAYOUT_KEYS:
             raise RemoteProtocolError(
                 "KV layout must be a dict with keys version, regions (and staging)"
             )
@@ -379,12 +278,10 @@ class KVLayout:
         items = obj["regions"]
         if not isinstance(items, (list, tuple)) or not 1 <= len(items) <= MAX_REGIONS:
             raise RemoteProtocolError(f"KV layout must list 1 to {MAX_REGIONS} regions")
-        regions: list[Region] = []
-        for i, item in enumerate(items):
-            regions.append(_region_from_wire(i, item))
+        regions = tuple(_region_from_wire(i, item) for i, item in enumerate(items))
         staging = Staging.from_wire(obj["staging"]) if "staging" in obj else None
         try:
-            return cls(tuple(regions), staging)
+            return cls(regions, staging)
         except ConfigError as exc:
             raise RemoteProtocolError(f"bad KV layout: {exc}") from None
 
@@ -404,19 +301,25 @@ def layer_regions(
     group: int = 0,
     first_layer: int = 0,
 ) -> tuple[Region, ...]:
-    """The regions of vLLM-style per-layer KV tensors, one base address each.
-
-    ``packing`` says how one layer's tensor holds K and V:
-    ``"split"`` is ``(2, num_blocks, ...)`` (FlashAttention: all K blocks,
-    then all V blocks: two regions, V at ``base + num_blocks * block_len``);
-    ``"interleaved"`` is ``(num_blocks, 2, ...)`` (FlashInfer: K and V of a
-    block side by side: two regions with stride ``2 * block_len``);
-    ``"mla"`` is ``(num_blocks, ...)`` with one latent "head" (one region).
-    Layers are numbered from ``first_layer``.
-    """
+    """The regions of vLLM-style per-layer KV tensors, one base address each,
+    layers numbered from ``first_layer``. ``packing``: ``"split"`` is ``(2,
+    num_blocks, ...)`` (V at ``base + num_blocks * block_len``), ``"interleaved"``
+    ``(num_blocks, 2, ...)`` (stride ``2 * block_len``), ``"mla"`` one region."""
     if packing not in ("split", "interleaved", "mla"):
         raise ConfigError(f"packing must be split, interleaved or mla, got {packing!r}")
     block_len = tokens_per_block * num_heads * head_bytes
+    shared: dict[str, Any] = {
+        "num_blocks": num_blocks,
+        "block_len": block_len,
+        "tokens_per_block": tokens_per_block,
+        "num_heads": num_heads,
+        "head_start": head_start,
+        "head_bytes": head_bytes,
+        "order": order,
+        "memory": memory,
+        "device": device,
+        "group": group,
+    }
     regions: list[Region] = []
     for i, base in enumerate(layer_bases):
         places: tuple[tuple[str, int, int], ...]
@@ -428,37 +331,22 @@ def layer_regions(
             places = (("MLA", base, block_len),)
         for kind, at, stride in places:
             regions.append(
-                Region(
-                    layer=first_layer + i,
-                    kind=kind,
-                    base=at,
-                    num_blocks=num_blocks,
-                    block_len=block_len,
-                    block_stride=stride,
-                    tokens_per_block=tokens_per_block,
-                    num_heads=num_heads,
-                    head_start=head_start,
-                    head_bytes=head_bytes,
-                    order=order,
-                    memory=memory,
-                    device=device,
-                    group=group,
-                )
+                Region(layer=first_layer + i, kind=kind, base=at, block_stride=stride, **shared)
             )
     return tuple(regions)
 
 
 def _region_from_wire(i: int, item: object) -> Region:
-    if not isinstance(item, dict) or set(item) != _WIRE_FIELDS:
+    if not isinstance(item, dict) or set(item) != set(_REGION_KEYS):
         raise RemoteProtocolError(
-            f"KV layout region {i} must be a dict with keys {', '.join(sorted(_WIRE_FIELDS))}"
+            f"KV layout region {i} must be a dict with keys {', '.join(sorted(_REGION_KEYS))}"
         )
-    for key in _WIRE_INT_FIELDS:
-        if type(item[key]) is not int:
+    for key in _REGION_KEYS:
+        if key in ("kind", "order", "memory"):
+            if type(item[key]) is not str:
+                raise RemoteProtocolError(f"KV layout region {i}: {key} must be a str")
+        elif type(item[key]) is not int:
             raise RemoteProtocolError(f"KV layout region {i}: {key} must be an int")
-    for key in ("kind", "order", "memory"):
-        if type(item[key]) is not str:
-            raise RemoteProtocolError(f"KV layout region {i}: {key} must be a str")
     try:
         order = HeadOrder(item["order"])
         memory = MemoryType(item["memory"])
@@ -467,21 +355,10 @@ def _region_from_wire(i: int, item: object) -> Region:
             f"KV layout region {i}: unknown order {item['order']!r} or memory {item['memory']!r}"
         ) from None
     try:
-        return Region(
-            layer=item["layer"],
-            kind=item["kind"],
-            base=item["base"],
-            num_blocks=item["num_blocks"],
-            block_len=item["block_len"],
-            block_stride=item["block_stride"],
-            tokens_per_block=item["tokens_per_block"],
-            num_heads=item["num_heads"],
-            head_start=item["head_start"],
-            head_bytes=item["head_bytes"],
-            order=order,
-            memory=memory,
-            device=item["device"],
-            group=item["group"],
-        )
+        return Region(**{**item, "order": order, "memory": memory})
     except ConfigError as exc:
         raise RemoteProtocolError(f"KV layout region {i}: {exc}") from None
+
+
+_REGION_KEYS = tuple(f.name for f in fields(Region))
+_LAYOUT_KEYS = frozenset(("version", "regions", "staging"))

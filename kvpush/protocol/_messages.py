@@ -1,10 +1,7 @@
 """Control messages exchanged between a producer and a consumer endpoint.
 
-Each message is a small frozen value. The codec (:class:`~kvpush.protocol.Codec`)
-is the only place where bytes become messages; everything here assumes the fields
-were already checked for type and range. ``Completion`` is special: it rides
-with the data (the transport's notification of that very transfer), so seeing
-it implies the bytes it announces are visible.
+Small frozen values, checked by the codec; what each promises:
+docs/protocol.md, "Messages".
 """
 
 from __future__ import annotations
@@ -42,33 +39,25 @@ class Hello:
     """Handshake: who I am and what must match between us."""
 
     engine_id: str
-    #: A fresh value per process start; a new value from a known engine id
-    #: means the peer restarted and none of its old state may be reused.
+    #: Fresh per process start: a new one under a known engine id is a restart.
     instance: int
     role: Role
     tp: int
     pp: int
     num_kv_heads: int
     mla: bool
-    #: Number of KV groups a registration must list blocks for.
     kv_groups: int
-    #: Upper bound (seconds) on a posted write or read staying in flight; the
-    #: peer puts this side's value into its quarantine.
+    #: Seconds a posted write or read may stay in flight (the peer's quarantine).
     op_bound: float
-    #: Bound (seconds) on a control frame's delivery; must be equal on both
-    #: sides (each side's runtime enforces it on the frames it sends).
+    #: Seconds a control frame may take to arrive; equal on both sides.
     max_transit: float
-    #: Named values that must be equal on both sides (model shape, dtype size,
-    #: layout family, ...); the handshake names the first that differs.
+    #: Named values that must be equal on both sides.
     fingerprint: tuple[tuple[str, str], ...] = ()
     modes: tuple[Mode, ...] = (Mode.PUSH, Mode.PULL)
     version: int = PROTOCOL_VERSION
-    #: Where this side's KV lives (regions, block geometry). A registration may
-    #: only name blocks inside it; the planner maps transfers with it.
+    #: A registration may only name blocks inside it.
     layout: KVLayout | None = None
-    #: Opaque per-rank data-plane descriptions (transport metadata and that
-    #: rank's own layout), in rank order; the core carries them, the runtime
-    #: reads them. Keeps transport metadata inside our handshake.
+    #: Opaque per-rank data-plane descriptions, in rank order (the runtime's).
     ranks: tuple[bytes, ...] = ()
 
 
@@ -82,11 +71,8 @@ class HelloReject:
 
 @dataclass(frozen=True, slots=True)
 class Register:
-    """Consumer -> producer: write (push) or lend (pull) this transfer's KV.
-
-    ``lease`` (seconds, measured by the producer from receipt) bounds when the
-    producer may *start* a write into ``blocks``.
-    """
+    """Consumer -> producer: write (push) or lend (pull) this transfer's KV;
+    no write may start later than ``lease`` seconds after receipt."""
 
     transfer_id: str
     epoch: int
@@ -94,15 +80,11 @@ class Register:
     blocks: BlockIds
     lease: float
     mode: Mode = Mode.PUSH
-    #: Tokens the consumer already holds (a prefix hit): ``blocks`` start at
-    #: this token, which is a multiple of the consumer's tokens per block.
+    #: Tokens the consumer already holds (a prefix hit): ``blocks`` start there.
     skip_tokens: int = 0
-    #: How many times this epoch was registered before: each answered
-    #: ``Rejected(STALLED)``, so none was taken (the stall rule's retry).
+    #: Times this epoch was sent again after ``Rejected(STALLED)``.
     attempt: int = 0
-    #: Push: ``(offset, nbytes)`` of the staging slot this epoch owns in every
-    #: consumer rank's pool (``KVLayout.staging``), owned and released exactly
-    #: like ``blocks``; empty: none (the producer writes in place).
+    #: Push: ``(offset, nbytes)`` of this epoch's staging slot; empty: in place.
     stage: tuple[int, ...] = ()
 
 
@@ -221,9 +203,7 @@ class Completion:
     epoch: int
     source: Source
     consumer_rank: int
-    #: Staged: per KV group, the tokens (from the registration's first) whose
-    #: bytes this write left in the consumer's staging slot, to be scattered
-    #: into its blocks before the notice counts. Empty: written in place.
+    #: Per KV group, the tokens this write left in the staging slot; empty: in place.
     staged: tuple[int, ...] = ()
 
 

@@ -10,6 +10,7 @@ option has one name, one range and one error text everywhere::
     @dataclass(frozen=True, slots=True)
     class Settings:
         timeout: float = option(5.0, "seconds a peer may stay silent", unit="s", above=0)
+        limit: float | None = option(None, "at most this long in all", unit="s", low="timeout")
 
         def __post_init__(self) -> None:
             check_options(self)
@@ -53,19 +54,26 @@ class Spec:
     help: str
     #: Shown after the help and in errors: "s", "MiB", "bytes".
     unit: str = ""
-    #: Inclusive bounds, and an exclusive lower one (``above=0``: positive).
-    low: float | None = None
-    high: float | None = None
-    above: float | None = None
+    #: Inclusive bounds, and an exclusive lower one (``above=0``: positive); of a
+    #: str or bytes option, its length in bytes. A bound may name an option declared
+    #: before it (``low="ready_timeout"``, ``above="timing.max_transit"``), checked
+    #: by :func:`check_options` (no bound while that one is ``None``).
+    low: float | str | None = None
+    high: float | str | None = None
+    above: float | str | None = None
     #: The allowed values (an enum field's are its members' values).
     choices: tuple[object, ...] = ()
-    #: Turns a raw value into the field's value; raises ValueError naming
-    #: what it expected. For shapes the type alone cannot say (``host:port``).
+    #: Turns a raw value into the field's value, and accepts the field's own
+    #: values (:func:`check_options` runs it too); raises ValueError naming what
+    #: it expected. For shapes the type alone cannot say (``host:port``).
     parse: Callable[[Any], Any] | None = None
-    #: Not offered on a command line (:func:`add_arguments` skips it).
-    cli: bool = True
+    #: Not offered on a command line (:func:`add_arguments` skips it); a str
+    #: names its flag where another program's name is kept (``"block-size"``).
+    cli: bool | str = True
     #: An empty str, list or set is a value (default: refused).
     empty: bool = False
+    #: A key: its value is never shown in an error.
+    secret: bool = False
 
 
 def option(
@@ -111,7 +119,7 @@ def build_options(cls: type[T], raw: Mapping[str, Any] | None, *, what: str, **f
 def check_options(obj: object) -> None:
     """:class:`ConfigError` naming the first option of ``obj`` out of its range."""
     for f, spec, kind in option_specs(type(obj)):
-        _check(f.name, getattr(obj, f.name), spec, kind)
+        _check(f.name, getattr(obj, f.name), spec, kind, obj)
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, prefix: str = "") -> None:
@@ -120,19 +128,22 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, prefix: str = "
     for f, spec, kind in option_specs(cls):
         if not spec.cli:
             continue
-        flag = "--" + prefix + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
+        flag = "--" + prefix + (spec.cli if isinstance(spec.cli, str) else f.name.replace("_", "-"))
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
         shown = f" [{spec.unit}]" if spec.unit else ""
         text = f"{spec.help}{shown} (default: {_show(default)})"
         base = _base(kind)
         if base is bool:
             parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=text)  # fmt: skip
-        elif base in (tuple, frozenset):
+        elif base in (tuple, frozenset) and spec.parse is None:  # else: one text to parse
             parser.add_argument(flag, dest=prefix + f.name, nargs="+", default=None, help=text)
-        else:
+        else:  # choices shown, not enforced: from_arguments refuses with the option's text
+            choices = spec.choices or _members(base)
+            metavar = "{" + ",".join(map(str, choices)) + "}" if choices else None
+            kind_of = base if base in (int, float) else str
             parser.add_argument(flag, dest=prefix + f.name, default=None, help=text,
-                                type=_cli_type(base))  # fmt: skip
+                                type=kind_of, metavar=metavar)  # fmt: skip
 
 
 def from_arguments(
@@ -159,26 +170,20 @@ def _base(kind: Any) -> Any:
     return typing.get_origin(kind) or kind
 
 
-def _optional(kind: Any) -> bool:
-    return type(None) in typing.get_args(kind)
-
-
-def _cli_type(base: Any) -> Callable[[str], Any]:
-    if base is int:
-        return int
-    if base is float:
-        return float
-    return str
+def _parse(name: str, value: Any, spec: Spec) -> Any:
+    if spec.parse is None:
+        return value
+    try:
+        return spec.parse(value)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{name} must be {exc}{_got(value, spec)}") from None
 
 
 def _convert(name: str, value: Any, spec: Spec, kind: Any) -> Any:
     """A raw value in the field's type; what cannot be converted is left for
     :func:`_check` to refuse with the option's one error text."""
     if spec.parse is not None and value is not None:
-        try:
-            return spec.parse(value)
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"{name} must be {exc}, got {value!r:.80}") from None
+        return _parse(name, value, spec)
     base = _base(kind)
     if isinstance(base, type) and issubclass(base, enum.Enum) and not isinstance(value, base):
         try:
@@ -194,16 +199,20 @@ def _convert(name: str, value: Any, spec: Spec, kind: Any) -> Any:
     return value
 
 
-def _check(name: str, value: Any, spec: Spec, kind: Any) -> None:
-    if value is None and _optional(kind):
+def _check(name: str, value: Any, spec: Spec, kind: Any, obj: object) -> None:
+    if value is None and type(None) in typing.get_args(kind):
         return
-    if not _fits(value, spec, _base(kind)):
-        raise ConfigError(f"{name} must be {_expected(spec, kind)}, got {value!r:.80}")
-
-
-def _fits(value: Any, spec: Spec, base: Any) -> bool:
     if spec.parse is not None:
-        return True  # parse decided
+        _parse(name, value, spec)
+    elif not _fits(value, spec, _base(kind), obj):
+        raise ConfigError(f"{name} must be {_expected(spec, kind)}{_got(value, spec)}")
+
+
+def _got(value: Any, spec: Spec) -> str:
+    return "" if spec.secret else f", got {value!r:.80}"
+
+
+def _fits(value: Any, spec: Spec, base: Any, obj: object) -> bool:
     choices = spec.choices or _members(base)
     if choices:
         raw = value.value if isinstance(value, enum.Enum) else value
@@ -212,9 +221,10 @@ def _fits(value: Any, spec: Spec, base: Any) -> bool:
         return type(value) is bool
     if base in (int, float):
         number = type(value) is int or (base is float and type(value) is float)
-        return number and math.isfinite(value) and _in_range(value, spec)
+        return number and math.isfinite(value) and _in_range(value, spec, obj)
     if base in (str, bytes):
-        return type(value) is base and (spec.empty or len(value) >= max(spec.low or 1, 1))
+        size = len(value.encode() if type(value) is str else value) if type(value) is base else -1
+        return size >= (0 if spec.empty else 1) and _in_range(size, spec, obj)
     if base in (tuple, frozenset):
         items = isinstance(value, base) and all(type(v) is str and v for v in value)
         return items and (spec.empty or bool(value))
@@ -227,10 +237,20 @@ def _members(base: Any) -> tuple[object, ...]:
     return ()
 
 
-def _in_range(value: float, spec: Spec) -> bool:
-    if spec.above is not None and not value > spec.above:
+def _in_range(value: float, spec: Spec, obj: object) -> bool:
+    above, low, high = (_bound(b, obj) for b in (spec.above, spec.low, spec.high))
+    if above is not None and not value > above:
         return False
-    return (spec.low is None or value >= spec.low) and (spec.high is None or value <= spec.high)
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
+def _bound(bound: float | str | None, obj: object) -> Any:
+    """A number, or the value of the option it names (``None`` on the way: no bound)."""
+    if not isinstance(bound, str):
+        return bound
+    for name in bound.split("."):
+        obj = None if obj is None else getattr(obj, name)
+    return obj
 
 
 def _expected(spec: Spec, kind: Any) -> str:
@@ -242,22 +262,29 @@ def _expected(spec: Spec, kind: Any) -> str:
     unit = f" ({spec.unit})" if spec.unit else ""
     if base is bool:
         return "true or false"
-    if base in (str, bytes):
-        least = f" of at least {spec.low:g} bytes" if spec.low else ""
-        return f"a {'' if spec.empty else 'non-empty '}{base.__name__}{least}"
     if base in (tuple, frozenset):
         return f"a {'' if spec.empty else 'non-empty '}list of non-empty str"
-    bounds = []
-    if spec.above is not None:
-        bounds.append(f"> {spec.above:g}")
+    low, high = _num(spec.low), _num(spec.high)
+    if base in (str, bytes):
+        sizes = [f"at least {low}"] * bool(spec.low) + [f"at most {high}"] * bool(spec.high)
+        plain = "" if spec.empty or spec.low else "non-empty "
+        noun = f"a {plain}str" if base is str else f"{plain}bytes"
+        return noun + (f" of {' and '.join(sizes)} bytes" if sizes else "")
+    if base not in (int, float):
+        return f"a {getattr(base, '__name__', base)}"
+    bounds = [f"> {_num(spec.above)}"] if spec.above is not None else []
     if spec.low is not None and spec.high is not None:
-        bounds.append(f"in [{spec.low:g}, {spec.high:g}]")
-    elif spec.low is not None:
-        bounds.append(f">= {spec.low:g}")
-    elif spec.high is not None:
-        bounds.append(f"<= {spec.high:g}")
+        bounds.append(f"in [{low}, {high}]")
+    elif spec.low is not None or spec.high is not None:
+        bounds.append(f">= {low}" if spec.low is not None else f"<= {high}")
     noun = "an int" if base is int else "a number"
     return " ".join([noun + unit, *bounds])
+
+
+def _num(bound: float | str | None) -> str:
+    if isinstance(bound, float):
+        return f"{bound:g}"
+    return "" if bound is None else str(bound)
 
 
 def _show(default: Any) -> str:

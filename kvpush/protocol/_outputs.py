@@ -1,8 +1,6 @@
-"""What an endpoint asks its caller to do (actions) and tells it (events).
-
-Both are drained in order with ``endpoint.drain()``. Actions must be carried out;
-events are for reporting. Order matters: e.g. a ``Send`` queued before a
-``Released`` must be sent before the blocks are reused.
+"""What an endpoint asks its caller to do (actions) and tells it (events),
+drained in order: e.g. a ``Send`` queued before a ``Released`` must be sent
+before the blocks are reused.
 """
 
 from __future__ import annotations
@@ -31,9 +29,6 @@ __all__ = (
     "StartRead",
     "StartWrite",
 )
-
-
-# --- actions -----------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +63,7 @@ class StartWrite:
     skip_tokens: int = 0
     #: Source blocks per KV group written by earlier increments of the epoch.
     first: tuple[int, ...] = ()
-    #: The consumer's staging slot for this epoch, ``(offset, nbytes)`` in
-    #: each consumer rank's pool (``Register.stage``); empty: none.
+    #: ``Register.stage``: the consumer's staging slot; empty: none.
     stage: tuple[int, ...] = ()
 
 
@@ -109,9 +103,6 @@ class Cancel:
 
 
 Action = Send | StartWrite | StartRead | Cancel
-
-
-# --- events ------------------------------------------------------------------
 
 
 class ReleaseOutcome(enum.Enum):

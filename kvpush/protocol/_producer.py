@@ -2,22 +2,21 @@
 
 One :class:`Producer` serves one prefill instance (all its TP x PP ranks). Each
 transfer is one record (``_transfer.Transfer``) moving through ``PRODUCER`` in
-``_tables.py``; this module
-performs the side effects of those transitions: those of the state entered
-(``_ENTER``, as the consumer's ``_enter``), and those of an abort in any state.
+``_tables.py``; this module computes which input applies and defines the
+effects its rows name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Hashable, Sequence
-from operator import attrgetter
+from collections.abc import Hashable, Sequence
 
 from ._config import ProducerConfig
-from ._endpoint import Endpoint, Timer, _OpsKey, overdue_pairs
+from ._endpoint import Endpoint, Timer, overdue_pairs
 from ._errors import LocalProtocolError
 from ._layout import KVLayout
+from ._machine import Machine
 from ._messages import (
     Abort,
     Announce,
@@ -49,61 +48,6 @@ from ._types import (
 
 __all__ = ("Producer",)
 
-
-def _lease_timer(rec: Transfer) -> float:
-    """WAIT_KV's timer: the next renewal, or the end of the lease."""
-    assert rec.reg is not None
-    return min(rec.renew_at, rec.reg.lease_until)
-
-
-def _renew_timer(rec: Transfer) -> float:
-    """WRITING's timer: the next renewal while the source is partial. The
-    lease ends no in-flight write; one posted after it fails (``not_after``)."""
-    return rec.renew_at if rec.partial else math.inf
-
-
-#: The timer each state keeps armed, and the time it fires at (everything else
-#: is cancelled on entry).
-_TIMERS: dict[PState, tuple[Timer, Callable[[Transfer], float]]] = {
-    PState.IDLE: (Timer.EXPIRE, attrgetter("expires_at")),
-    PState.WAIT_KV: (Timer.LEASE, _lease_timer),
-    PState.WRITING: (Timer.LEASE, _renew_timer),
-    PState.STREAMING: (Timer.LEASE, _lease_timer),
-    PState.WAIT_REST: (Timer.LEASE, _lease_timer),
-    PState.HOLDING: (Timer.HOLD, attrgetter("hold_until")),
-    PState.DELIVERED: (Timer.HOLD, attrgetter("hold_until")),
-    PState.LENT: (Timer.QUARANTINE, attrgetter("quarantine_at")),
-    PState.RELEASED: (Timer.EXPIRE, attrgetter("expires_at")),
-}
-
-#: The input each timer feeds (the lease timer also renews, see ``_fire``).
-_FIRES: dict[Timer, PInput] = {
-    Timer.EXPIRE: PInput.EXPIRED,
-    Timer.LEASE: PInput.LEASE_EXPIRED,
-    Timer.HOLD: PInput.HOLD_EXPIRED,
-    Timer.QUARANTINE: PInput.QUARANTINE,
-}
-
-#: Self-loops that run their state's entry effects again: the next epoch's
-#: writes start; KV that is ready after the release is released at once.
-_REENTER = frozenset((PInput.SETTLED_NEXT, PInput.KV_READY, PInput.KV_MORE, PInput.WRITE_NEXT))
-
-#: Self-loops that move their state's deadline (a newer epoch's lease or
-#: writes, a renewal, an extended lease or hold, a whole source).
-_REARM = frozenset(
-    (
-        PInput.SETTLED_NEXT,
-        PInput.REGISTER,
-        PInput.RENEW,
-        PInput.EXTEND,
-        PInput.KEEP,
-        PInput.KV_READY,  # a partial source's last increment: its hold starts
-        PInput.KV_MORE,  # a partial source: no hold, and no tombstone expires
-    )
-)
-
-#: Inputs that end the transfer, whatever its state.
-_ABORTS = frozenset((PInput.ABORT, PInput.PEER_ABORT, PInput.PEER_ABORT_NEWER))
 
 #: Why the KV is released, by the input that releases it (other inputs are
 #: aborts), unless the transfer ended for a reason of its own (``ending``).
@@ -581,12 +525,20 @@ class Producer(Endpoint):
 
     # --- timers ---------------------------------------------------------------------
 
-    def _timers_of(self, key: Hashable) -> dict[Timer, float] | None:
-        if type(key) is _OpsKey:
-            rec = self._tx.get(key.key)  # type: ignore[call-overload]
-            return rec.op_timer if rec is not None else None
-        rec = self._tx.get(key)  # type: ignore[call-overload]
-        return rec.timers if rec is not None else None
+    def _machine(self, rec: Transfer) -> Machine[PState, PInput]:
+        return PRODUCER
+
+    def _key(self, rec: Transfer) -> str:
+        return rec.transfer_id
+
+    def _record(self, key: Hashable) -> Transfer | None:
+        return self._tx.get(key)  # type: ignore[call-overload, no-any-return]
+
+    def _timer_input(self, now: float, kind: Hashable, rec: Transfer) -> PInput:
+        reg = rec.reg
+        if kind is Timer.LEASE and reg is not None and now < reg.lease_until:
+            return PInput.RENEW  # still computing, the lease half gone
+        return PRODUCER.fires[kind]
 
     def _fire_overdue(self, now: float, key: Hashable) -> None:
         """Writes still in flight ``op_bound`` after their ``StartWrite``:
@@ -600,22 +552,19 @@ class Producer(Endpoint):
             self._out.append(Cancel(rec.transfer_id, reg.epoch, reg.peer, source, rank))
         self._arm_ops(rec.inflight, rec.op_timer, rec.transfer_id)
 
-    def _fire(self, now: float, kind: Timer, key: Hashable) -> None:
-        rec = self._tx[key]  # type: ignore[index]
-        del rec.timers[kind]
+    def _renew(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """Ask the consumer for more lease (RENEW: the KV is not ready yet)."""
         reg = rec.reg
-        if kind is Timer.LEASE and reg is not None and now < reg.lease_until:
-            # Still computing, the lease half gone: ask the consumer for more.
-            self._counters["renew_sent"] += 1
-            rec.timeline.renewed.append(now)
-            self._out.append(Send(reg.peer, Renew(rec.transfer_id, reg.epoch)))
-            rec.renew_at = self._renew_time(now, reg.lease_until)
-            self._step(now, rec, PInput.RENEW)
-            return
-        if rec.state is PState.WRITING:  # fired late, past the lease
-            rec.renew_at = math.inf
-            self._lease_over(now, rec)
-        self._step(now, rec, _FIRES[kind])
+        assert reg is not None
+        self._counters["renew_sent"] += 1
+        rec.timeline.renewed.append(now)
+        self._out.append(Send(reg.peer, Renew(rec.transfer_id, reg.epoch)))
+        rec.renew_at = self._renew_time(now, reg.lease_until)
+
+    def _lease_late(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """WRITING's renewal timer fired late, past the lease."""
+        rec.renew_at = math.inf
+        self._lease_over(now, rec)
 
     def _lease_over(self, now: float, rec: Transfer) -> None:
         """WRITING: no increment may start past the lease; an epoch with one
@@ -634,20 +583,6 @@ class Producer(Endpoint):
         come back (a round trip takes up to twice ``max_transit``)."""
         half = (until - now) / 2
         return now + half if half > 2 * self.config.timing.max_transit else math.inf
-
-    def _arm_for(self, rec: Transfer) -> None:
-        timer = _TIMERS.get(rec.state)
-        if timer is None:
-            rec.timers.clear()
-            return
-        kind, when = timer[0], timer[1](rec)
-        if when == math.inf:  # nothing to fire (a partial source's hold, no renewal due)
-            rec.timers.clear()
-            return
-        if len(rec.timers) == 1 and rec.timers.get(kind) == when:
-            return  # its heap entry is still queued and valid
-        rec.timers.clear()
-        self._arm(rec.timers, kind, when, rec.transfer_id)
 
     # --- transitions -------------------------------------------------------------
 
@@ -744,49 +679,32 @@ class Producer(Endpoint):
         # A pull epoch is lent from HOLDING, never written.
         return PInput.SETTLED_NEXT if pending.mode is Mode.PUSH else PInput.SETTLED_IDLE
 
-    def _step(self, now: float, rec: Transfer, inp: PInput, *, remote: bool = False) -> None:
-        """Apply ``inp`` to ``rec`` through the table, then its side effects:
-        those of the input (an abort), then those of the state entered."""
-        old = rec.state
-        new = PRODUCER.get((old, inp))
-        if new is None:
-            if remote:
-                self._counters[f"ignored_{inp.value}_in_{old.value}"] += 1
-                return
-            raise LocalProtocolError(f"{inp.name} is not allowed in state {old.name}")
-        rec.state = new
-        if inp in _ABORTS:
-            self._aborted(rec, old, inp)
-        if new is not old or inp in _REENTER:
-            enter = _ENTER.get(new)
-            if enter is not None:
-                enter(self, now, rec, inp)
-        if new is not old or inp in _REARM:
-            self._arm_for(rec)
+    # --- effects, named by the rows of PRODUCER -------------------------------------
 
-    # --- side effects, by the state entered -----------------------------------------
+    def _next_epoch(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """The live epoch's writes settled: a newer push epoch waited, and is live."""
+        assert rec.reg is not None
+        self._settle_owed(rec, rec.reg.epoch)
+        rec.reg, rec.pending = rec.pending, None
+        assert rec.reg is not None
+        rec.renew_at = self._renew_time(now, rec.reg.lease_until)
+
+    def _new_epoch(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """A new epoch's writes start from the source's first block."""
+        assert rec.reg is not None
+        self._epoch_over(rec)
+        rec.timeline.epoch = rec.reg.epoch
+        rec.timeline.write_started = now
 
     def _write(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """WRITING: post each pair's next increment. A new epoch (after the old
-        one, if any) starts from the source's first block; then each write
-        that settles, and each increment of the source, posts what was
-        computed since. The last increment carries the completion notice."""
-        if inp is PInput.SETTLED_NEXT:
-            assert rec.reg is not None
-            self._settle_owed(rec, rec.reg.epoch)
-            rec.reg, rec.pending = rec.pending, None
-            assert rec.reg is not None
-            rec.renew_at = self._renew_time(now, rec.reg.lease_until)
+        """Post each pair's next increment: what was computed since its last
+        write (each write that settles, and each increment of the source,
+        posts more). The last increment carries the completion notice."""
         reg, src = rec.reg, rec.src
         assert reg is not None and src is not None
         view = self._peers[reg.peer]
         assert view.topology is not None
         tid, epoch = rec.transfer_id, reg.epoch
-        if inp in (PInput.RENDEZVOUS_PUSH, PInput.SETTLED_NEXT):  # a new epoch
-            rec.sent.clear()
-            rec.committed.clear()
-            rec.timeline.epoch = epoch
-            rec.timeline.write_started = now
         size = tuple(map(len, src))
         for route in view.topology.routes:
             pair = (route.source, route.consumer_rank)
@@ -842,17 +760,34 @@ class Producer(Endpoint):
         lease = reg.lease_until - now
         self._out.append(Send(reg.peer, Announce(rec.transfer_id, reg.epoch, src, lease)))
 
+    def _settle_live(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """The live epoch's writes settled after it was withdrawn."""
+        assert rec.reg is not None
+        self._settle_owed(rec, rec.reg.epoch)
+
+    def _tell_owed(self, now: float, rec: Transfer, inp: PInput) -> None:
+        self._send_owed(rec)
+
+    def _owe_live(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """The live epoch is owed a ``Settled`` (its writes failed, or the
+        consumer aborted it)."""
+        if rec.reg is not None:
+            rec.owe.add(rec.reg.epoch)
+
+    def _reject_lease(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """The live registration's lease ran out: no increment may start."""
+        assert rec.reg is not None
+        self._reject(rec, rec.reg, RejectReason.LEASE_EXPIRED)
+
+    def _settle_waiting(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """The waiting registration was withdrawn: nothing of it ran."""
+        reg = rec.reg
+        assert reg is not None
+        self._out.append(Send(reg.peer, Settled(rec.transfer_id, reg.epoch)))
+
     def _hold(self, now: float, rec: Transfer, inp: PInput) -> None:
         """HOLDING: the live epoch (if any) is over; a waiting one starts now.
         A partial source is held without a timer (its prefill still runs)."""
-        if inp is PInput.SETTLED_IDLE:
-            assert rec.reg is not None
-            self._settle_owed(rec, rec.reg.epoch)
-        elif inp is PInput.WITHDRAW:
-            self._send_owed(rec)
-        elif inp is PInput.LEASE_EXPIRED:  # no increment may start past the lease
-            assert rec.reg is not None
-            self._reject(rec, rec.reg, RejectReason.LEASE_EXPIRED)
         self._epoch_over(rec)
         rec.reg = None
         rec.hold_until = math.inf if rec.partial else now + self.config.kv_hold_timeout
@@ -869,12 +804,6 @@ class Producer(Endpoint):
 
     def _unwait(self, now: float, rec: Transfer, inp: PInput) -> None:
         """IDLE (from WAIT_KV): the waiting registration is over."""
-        reg = rec.reg
-        assert reg is not None
-        if inp is PInput.WITHDRAW:
-            self._out.append(Send(reg.peer, Settled(rec.transfer_id, reg.epoch)))
-        elif inp is PInput.LEASE_EXPIRED:
-            self._reject(rec, reg, RejectReason.LEASE_EXPIRED)
         rec.reg = None
         rec.expires_at = now + self.config.tombstone_ttl
 
@@ -882,8 +811,6 @@ class Producer(Endpoint):
         """RELEASED: settle what is owed and give the source blocks back."""
         outcome = rec.ending or _OUTCOMES.get(inp, ReleaseOutcome.ABORTED)
         reg = rec.reg
-        if inp is PInput.SETTLED_FAILED and reg is not None:
-            rec.owe.add(reg.epoch)
         self._send_owed(rec)
         if rec.pending is not None:
             self._reject(rec, rec.pending, RejectReason.RELEASED)
@@ -907,28 +834,30 @@ class Producer(Endpoint):
         """GONE: nothing held, no duplicate can still arrive."""
         del self._tx[rec.transfer_id]
 
-    # --- side effects of the aborts, in any state ----------------------------------
+    def _abort(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """A local abort: tell the consumer of its live epoch (or of the
+        newest epoch it named), if one is known."""
+        if rec.peer is not None:
+            epoch = rec.max_epoch if rec.reg is None else rec.reg.epoch
+            self._out.append(Send(rec.peer, Abort(rec.transfer_id, epoch)))
+            rec.owe.add(epoch)
+        self._abort_quietly(now, rec, inp)
 
-    def _aborted(self, rec: Transfer, old: PState, inp: PInput) -> None:
-        if inp is PInput.ABORT:
-            rec.ending = rec.ending or ReleaseOutcome.ABORTED
-            self._send_abort(rec, old)
-        elif rec.reg is not None:
-            rec.owe.add(rec.reg.epoch)
+    def _abort_quietly(self, now: float, rec: Transfer, inp: PInput) -> None:
+        """A local abort the consumer is not told of: it was told already
+        (DRAINING, RELEASED), or it has its Ready (DELIVERED), and an Abort
+        would fail KV it may not have polled yet."""
+        rec.ending = rec.ending or ReleaseOutcome.ABORTED
+        self._drop_pending(rec)
+
+    def _peer_abort(self, now: float, rec: Transfer, inp: PInput) -> None:
+        self._owe_live(now, rec, inp)
+        self._drop_pending(rec)
+
+    def _drop_pending(self, rec: Transfer) -> None:
         if rec.pending is not None:
             self._reject(rec, rec.pending, RejectReason.RELEASED)
             rec.pending = None
-
-    def _send_abort(self, rec: Transfer, old: PState) -> None:
-        """A local abort: tell the consumer of its live epoch (or of the newest
-        epoch it named), unless it was told already or none is known. From
-        DELIVERED nothing is sent: the consumer has its Ready, and an Abort
-        would fail KV it may not have polled yet."""
-        if old in (PState.DRAINING, PState.DELIVERED, PState.RELEASED) or rec.peer is None:
-            return
-        epoch = rec.max_epoch if rec.reg is None else rec.reg.epoch
-        self._out.append(Send(rec.peer, Abort(rec.transfer_id, epoch)))
-        rec.owe.add(epoch)
 
     def _settle_owed(self, rec: Transfer, epoch: int) -> None:
         """No write of ``epoch`` (nor of any owed epoch) can land any more:
@@ -943,17 +872,3 @@ class Producer(Endpoint):
             for e in sorted(rec.owe):
                 self._out.append(Send(rec.peer, Settled(rec.transfer_id, e)))
         rec.owe.clear()
-
-
-_Entry = Callable[[Producer, float, Transfer, PInput], None]
-
-#: Side effects of entering each state (``_REENTER``: also of some self-loops).
-_ENTER: dict[PState, _Entry] = {
-    PState.IDLE: Producer._unwait,
-    PState.HOLDING: Producer._hold,
-    PState.WRITING: Producer._write,
-    PState.DELIVERED: Producer._delivered,
-    PState.LENT: Producer._lend,
-    PState.RELEASED: Producer._release,
-    PState.GONE: Producer._forget,
-}

@@ -1,17 +1,11 @@
 """The consumer's staging slots: byte ranges of every rank's staging pool.
 
-A staged push lands in a slot of the consumer's pool before it is scattered
-into the blocks (docs/layouts.md, "Staged transfers"), so a slot is owned
-exactly like the blocks it stands in front of: by one (transfer, epoch), taken
-at ``reserve`` and given back when the reservation ends (ready, or released
-under the same proofs and quarantine as its blocks). A late write into a
-released slot is the same fault as one into a released block, and the same
-rules prevent it; the invariant checker watches slots as it watches blocks.
-
-The pool is ``nbytes`` bytes in ``page``-byte pages; a slot is a run of whole
-pages, first fit. Every consumer rank has a pool at least this large and a
-slot names the same range in each. With no run long enough, ``take`` returns
-``None`` and the transfer is written in place: staging is never waited for.
+A slot is owned exactly like the blocks it stands in front of (docs/layouts.md,
+"Staged transfers"): by one (transfer, epoch), given back under the same proofs
+and quarantine, because a late write into a released slot is the same fault as
+one into a released block. A slot names the same range in every rank's pool.
+With no free run long enough, the transfer is written in place: staging is
+never waited for.
 """
 
 from __future__ import annotations

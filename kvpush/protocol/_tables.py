@@ -1,17 +1,19 @@
-"""Every state machine of the core, as explicit transition tables.
+"""Every state machine of the core, as tables of the one engine (``_machine.py``).
 
-Each table maps ``(state, input) -> new state``. Endpoints look an input up
-before doing anything; a missing key is a protocol error: a local input raises
-:class:`~kvpush.LocalProtocolError`, a remote one is counted and ignored without
-changing state. Inputs whose meaning depends on a guard (e.g. "the last
-expected completion") are distinct input members, so the table alone says how
-state moves. ``docs/protocol.md`` renders these tables (``render_markdown``).
+Inputs whose meaning depends on a guard (e.g. "the last expected completion")
+are distinct input members, so the table alone says how state moves and what
+it does; the endpoints compute which input applies and define the effects.
+``docs/protocol.md`` renders these tables (``render_markdown``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import math
+from operator import attrgetter
+from typing import Any
+
+from ._machine import Machine, Row
 
 __all__ = (
     "CONSUMER_PULL",
@@ -24,6 +26,7 @@ __all__ = (
     "PState",
     "PeerInput",
     "PeerState",
+    "Timer",
     "render_markdown",
 )
 
@@ -33,6 +36,32 @@ class _Enum(enum.Enum):
     call, and every transition looks up a ``(state, input)`` key."""
 
     __hash__ = object.__hash__
+
+
+class Timer(_Enum):
+    """The kinds of timer an endpoint arms (one heap, lazily invalidated)."""
+
+    #: Consumer: the reservation is not ready in time.
+    DEADLINE = "deadline"
+    #: No write (consumer) or read (producer) of the epoch can land any more,
+    #: unless its initiator is connected and silent (consumer: ``SUSPECT``).
+    QUARANTINE = "quarantine"
+    #: Producer: forget an unused record or a tombstone.
+    EXPIRE = "expire"
+    #: Producer: a waiting registration's lease ran out, or is half gone
+    #: (send a ``Renew``).
+    LEASE = "lease"
+    #: Producer: ready KV found no usable registration in time, or delivered
+    #: KV no acknowledgment.
+    HOLD = "hold"
+    #: Consumer: send a registration the producer dropped after a stall again
+    #: (``RETRY_WAIT``), or the next probe of a suspect epoch (``SUSPECT``).
+    RETRY = "retry"
+    #: Handshake: our hello went unanswered; send it again (``HELLO_SENT``).
+    HELLO_RETRY = "hello_retry"
+    #: An op this side posted (producer: a write; consumer: a read) is still
+    #: in flight ``op_bound`` after it was handed over: ask for its cancel.
+    OVERDUE = "overdue"
 
 
 # --- handshake (both roles) ----------------------------------------------------
@@ -58,32 +87,36 @@ class PeerInput(_Enum):
     RETRY = "retry"  #: timer: our hello is unanswered; send it again
 
 
-PEER: Mapping[tuple[PeerState, PeerInput], PeerState] = {
-    (PeerState.DISCONNECTED, PeerInput.CONNECT): PeerState.HELLO_SENT,
-    (PeerState.DISCONNECTED, PeerInput.HELLO_OK): PeerState.READY,
-    (PeerState.DISCONNECTED, PeerInput.HELLO_BAD): PeerState.FAILED,
-    (PeerState.DISCONNECTED, PeerInput.REJECT): PeerState.FAILED,
-    (PeerState.DISCONNECTED, PeerInput.LOST): PeerState.DISCONNECTED,
-    (PeerState.DISCONNECTED, PeerInput.RETRY): PeerState.DISCONNECTED,
-    (PeerState.HELLO_SENT, PeerInput.CONNECT): PeerState.HELLO_SENT,
-    (PeerState.HELLO_SENT, PeerInput.HELLO_OK): PeerState.READY,
-    (PeerState.HELLO_SENT, PeerInput.HELLO_BAD): PeerState.FAILED,
-    (PeerState.HELLO_SENT, PeerInput.REJECT): PeerState.FAILED,
-    (PeerState.HELLO_SENT, PeerInput.LOST): PeerState.DISCONNECTED,
-    (PeerState.HELLO_SENT, PeerInput.RETRY): PeerState.HELLO_SENT,
-    (PeerState.READY, PeerInput.CONNECT): PeerState.READY,
-    (PeerState.READY, PeerInput.HELLO_OK): PeerState.READY,
-    (PeerState.READY, PeerInput.HELLO_BAD): PeerState.FAILED,
-    (PeerState.READY, PeerInput.REJECT): PeerState.FAILED,
-    (PeerState.READY, PeerInput.LOST): PeerState.DISCONNECTED,
-    (PeerState.READY, PeerInput.RETRY): PeerState.READY,
-    (PeerState.FAILED, PeerInput.CONNECT): PeerState.HELLO_SENT,
-    (PeerState.FAILED, PeerInput.HELLO_OK): PeerState.READY,
-    (PeerState.FAILED, PeerInput.HELLO_BAD): PeerState.FAILED,
-    (PeerState.FAILED, PeerInput.REJECT): PeerState.FAILED,
-    (PeerState.FAILED, PeerInput.LOST): PeerState.DISCONNECTED,
-    (PeerState.FAILED, PeerInput.RETRY): PeerState.FAILED,
-}
+_S = PeerState
+_H = PeerInput
+
+#: Total, and without effects: the handshake sends and answers hellos around
+#: the lookup. Its one timer, the hello's retry, backs off, so the hello's
+#: send arms it (``Endpoint._send_hello``); leaving ``HELLO_SENT`` cancels it.
+PEER: Machine[PeerState, PeerInput] = Machine(
+    {
+        (_S.DISCONNECTED, _H.CONNECT): Row(_S.HELLO_SENT),
+        (_S.DISCONNECTED, _H.HELLO_OK): Row(_S.READY),
+        (_S.DISCONNECTED, _H.HELLO_BAD): Row(_S.FAILED),
+        (_S.DISCONNECTED, _H.REJECT): Row(_S.FAILED),
+        (_S.HELLO_SENT, _H.HELLO_OK): Row(_S.READY),
+        (_S.HELLO_SENT, _H.HELLO_BAD): Row(_S.FAILED),
+        (_S.HELLO_SENT, _H.REJECT): Row(_S.FAILED),
+        (_S.HELLO_SENT, _H.LOST): Row(_S.DISCONNECTED),
+        (_S.READY, _H.HELLO_BAD): Row(_S.FAILED),
+        (_S.READY, _H.REJECT): Row(_S.FAILED),
+        (_S.READY, _H.LOST): Row(_S.DISCONNECTED),
+        (_S.FAILED, _H.CONNECT): Row(_S.HELLO_SENT),
+        (_S.FAILED, _H.HELLO_OK): Row(_S.READY),
+        (_S.FAILED, _H.LOST): Row(_S.DISCONNECTED),
+    },
+    stays={
+        _S.DISCONNECTED: (_H.LOST, _H.RETRY),
+        _S.HELLO_SENT: (_H.CONNECT, _H.RETRY),
+        _S.READY: (_H.CONNECT, _H.HELLO_OK, _H.RETRY),
+        _S.FAILED: (_H.HELLO_BAD, _H.REJECT, _H.RETRY),
+    },
+)
 
 
 # --- consumer: one reservation (transfer, epoch) --------------------------------
@@ -145,86 +178,108 @@ class CInput(_Enum):
 _C = CState
 _I = CInput
 
-_CONSUMER_COMMON: dict[tuple[CState, CInput], CState] = {
-    (_C.WAITING_PEER, _I.PEER_READY): _C.AWAITING,
-    (_C.WAITING_PEER, _I.PEER_DOWN): _C.RELEASED,
-    (_C.WAITING_PEER, _I.PREEMPT): _C.RELEASED,
-    (_C.WAITING_PEER, _I.ABORT): _C.RELEASED,
-    (_C.WAITING_PEER, _I.DEADLINE): _C.RELEASED,
-    (_C.AWAITING, _I.STALLED): _C.RETRY_WAIT,
-    (_C.AWAITING, _I.RENEW): _C.AWAITING,
-    # Nothing of this epoch was taken, and no attempt is out: the blocks are
-    # free at once, whatever ends it. A copy of the refused attempt answered
-    # again (SUPERSEDED, STALLED) changes nothing.
-    (_C.RETRY_WAIT, _I.RETRY): _C.AWAITING,
-    (_C.RETRY_WAIT, _I.REJECTED): _C.RETRY_WAIT,
-    (_C.RETRY_WAIT, _I.STALLED): _C.RETRY_WAIT,
-    (_C.RETRY_WAIT, _I.PREEMPT): _C.RELEASED,
-    (_C.RETRY_WAIT, _I.ABORT): _C.RELEASED,
-    (_C.RETRY_WAIT, _I.DEADLINE): _C.RELEASED,
-    (_C.RETRY_WAIT, _I.PEER_DOWN): _C.RELEASED,
-    (_C.RETRY_WAIT, _I.PEER_ABORT): _C.RELEASED,
-}
+_deadline = (Timer.DEADLINE, attrgetter("deadline"))
+_retry = (Timer.RETRY, attrgetter("retry_at"))
 
-CONSUMER_PUSH: Mapping[tuple[CState, CInput], CState] = {
-    **_CONSUMER_COMMON,
-    (_C.AWAITING, _I.COMPLETION): _C.AWAITING,
-    (_C.AWAITING, _I.COMPLETION_LAST): _C.READY,
-    (_C.AWAITING, _I.WRITE_FAILED): _C.DRAINING,
-    (_C.AWAITING, _I.PAIRS_SETTLED): _C.RELEASED,
-    (_C.AWAITING, _I.SETTLED): _C.RELEASED,
-    (_C.AWAITING, _I.REJECTED): _C.RELEASED,
-    (_C.AWAITING, _I.PEER_ABORT): _C.DRAINING,
-    (_C.AWAITING, _I.PEER_DOWN): _C.DRAINING,
-    (_C.AWAITING, _I.DEADLINE): _C.DRAINING,
-    (_C.AWAITING, _I.PREEMPT): _C.DRAINING,
-    (_C.AWAITING, _I.ABORT): _C.DRAINING,
-    (_C.DRAINING, _I.COMPLETION): _C.DRAINING,
-    (_C.DRAINING, _I.WRITE_FAILED): _C.DRAINING,
-    (_C.DRAINING, _I.PAIRS_SETTLED): _C.RELEASED,
-    (_C.DRAINING, _I.SETTLED): _C.RELEASED,
-    (_C.DRAINING, _I.REJECTED): _C.RELEASED,
-    (_C.DRAINING, _I.QUARANTINE): _C.RELEASED,
-    (_C.DRAINING, _I.QUARANTINE_LIVE): _C.SUSPECT,
-    (_C.DRAINING, _I.PEER_ABORT): _C.DRAINING,
-    (_C.DRAINING, _I.PEER_DOWN): _C.DRAINING,
-    # No timer: only a proof from the producer ends it, or its loss, after
-    # which a fresh quarantine runs (DRAINING).
-    (_C.SUSPECT, _I.COMPLETION): _C.SUSPECT,
-    (_C.SUSPECT, _I.WRITE_FAILED): _C.SUSPECT,
-    (_C.SUSPECT, _I.PAIRS_SETTLED): _C.RELEASED,
-    (_C.SUSPECT, _I.SETTLED): _C.RELEASED,
-    (_C.SUSPECT, _I.REJECTED): _C.RELEASED,
-    (_C.SUSPECT, _I.PEER_ABORT): _C.SUSPECT,
-    (_C.SUSPECT, _I.PEER_DOWN): _C.DRAINING,
-    (_C.SUSPECT, _I.RETRY): _C.SUSPECT,
+#: What both modes share: the timers, and the rows before the producer has
+#: taken anything (nothing of the epoch was taken, and no attempt is out in
+#: RETRY_WAIT, so the blocks are free at once, whatever ends it).
+_CONSUMER_TIMERS = {
+    _C.WAITING_PEER: (_deadline,),
+    _C.AWAITING: (_deadline,),
+    _C.RETRY_WAIT: (_deadline, _retry),
+    _C.READING: (_deadline,),
+    _C.DRAINING: ((Timer.QUARANTINE, attrgetter("quarantine_at")),),
+    _C.SUSPECT: (_retry,),  # the next probe; none ends it
 }
+_CONSUMER_FIRES = {
+    Timer.DEADLINE: _I.DEADLINE,
+    Timer.RETRY: _I.RETRY,
+    Timer.QUARANTINE: _I.QUARANTINE,
+}
+_CONSUMER_COMMON: dict[tuple[CState, CInput], Row[CState]] = {
+    (_C.WAITING_PEER, _I.PEER_READY): Row(_C.AWAITING, "register"),
+    (_C.WAITING_PEER, _I.PEER_DOWN): Row(_C.RELEASED, "fail", "release"),
+    (_C.WAITING_PEER, _I.PREEMPT): Row(_C.RELEASED, "release"),
+    (_C.WAITING_PEER, _I.ABORT): Row(_C.RELEASED, "release"),
+    (_C.WAITING_PEER, _I.DEADLINE): Row(_C.RELEASED, "fail", "release"),
+    (_C.AWAITING, _I.STALLED): Row(_C.RETRY_WAIT),
+    (_C.RETRY_WAIT, _I.RETRY): Row(_C.AWAITING, "next_attempt", "register"),
+    (_C.RETRY_WAIT, _I.PREEMPT): Row(_C.RELEASED, "send_withdraw", "release"),
+    (_C.RETRY_WAIT, _I.ABORT): Row(_C.RELEASED, "send_abort", "release"),
+    (_C.RETRY_WAIT, _I.DEADLINE): Row(_C.RELEASED, "fail", "send_abort", "release"),
+    (_C.RETRY_WAIT, _I.PEER_DOWN): Row(_C.RELEASED, "fail", "release"),
+    (_C.RETRY_WAIT, _I.PEER_ABORT): Row(_C.RELEASED, "fail", "release"),
+}
+#: A copy of the refused attempt answered again (SUPERSEDED, STALLED) changes nothing.
+_RETRY_WAIT_STAYS = (_I.REJECTED, _I.STALLED)
 
-CONSUMER_PULL: Mapping[tuple[CState, CInput], CState] = {
-    **_CONSUMER_COMMON,
-    (_C.AWAITING, _I.ANNOUNCE): _C.READING,
-    (_C.AWAITING, _I.SETTLED): _C.RELEASED,
-    (_C.AWAITING, _I.REJECTED): _C.RELEASED,
-    (_C.AWAITING, _I.PEER_ABORT): _C.RELEASED,
-    (_C.AWAITING, _I.PEER_DOWN): _C.RELEASED,
-    (_C.AWAITING, _I.DEADLINE): _C.RELEASED,
-    (_C.AWAITING, _I.PREEMPT): _C.RELEASED,
-    (_C.AWAITING, _I.ABORT): _C.RELEASED,
-    (_C.READING, _I.READ_OK): _C.READING,
-    (_C.READING, _I.READS_OK): _C.READY,
-    (_C.READING, _I.READ_FAILED): _C.READ_DRAIN,
-    (_C.READING, _I.READS_SETTLED): _C.RELEASED,
-    (_C.READING, _I.DEADLINE): _C.READ_DRAIN,
-    (_C.READING, _I.PREEMPT): _C.READ_DRAIN,
-    (_C.READING, _I.ABORT): _C.READ_DRAIN,
-    (_C.READING, _I.PEER_ABORT): _C.READ_DRAIN,
-    (_C.READING, _I.PEER_DOWN): _C.READ_DRAIN,
-    (_C.READ_DRAIN, _I.READ_OK): _C.READ_DRAIN,
-    (_C.READ_DRAIN, _I.READ_FAILED): _C.READ_DRAIN,
-    (_C.READ_DRAIN, _I.READS_SETTLED): _C.RELEASED,
-    (_C.READ_DRAIN, _I.PEER_ABORT): _C.READ_DRAIN,
-    (_C.READ_DRAIN, _I.PEER_DOWN): _C.READ_DRAIN,
-}
+CONSUMER_PUSH: Machine[CState, CInput] = Machine(
+    {
+        **_CONSUMER_COMMON,
+        (_C.AWAITING, _I.COMPLETION_LAST): Row(_C.READY, "ready"),
+        (_C.AWAITING, _I.WRITE_FAILED): Row(_C.DRAINING, "fail", "drain"),
+        (_C.AWAITING, _I.PAIRS_SETTLED): Row(_C.RELEASED, "fail", "release"),
+        (_C.AWAITING, _I.SETTLED): Row(_C.RELEASED, "fail", "release"),
+        (_C.AWAITING, _I.REJECTED): Row(_C.RELEASED, "fail", "release"),
+        (_C.AWAITING, _I.PEER_ABORT): Row(_C.DRAINING, "fail", "drain"),
+        (_C.AWAITING, _I.PEER_DOWN): Row(_C.DRAINING, "fail", "drain"),
+        (_C.AWAITING, _I.DEADLINE): Row(_C.DRAINING, "fail", "send_abort", "drain"),
+        (_C.AWAITING, _I.PREEMPT): Row(_C.DRAINING, "send_withdraw", "drain"),
+        (_C.AWAITING, _I.ABORT): Row(_C.DRAINING, "send_abort", "drain"),
+        (_C.DRAINING, _I.PAIRS_SETTLED): Row(_C.RELEASED, "release"),
+        (_C.DRAINING, _I.SETTLED): Row(_C.RELEASED, "release"),
+        (_C.DRAINING, _I.REJECTED): Row(_C.RELEASED, "release"),
+        (_C.DRAINING, _I.QUARANTINE): Row(_C.RELEASED, "release"),
+        (_C.DRAINING, _I.QUARANTINE_LIVE): Row(_C.SUSPECT, "hold_suspect"),
+        # No timer ends it, only a proof from the producer, or its loss,
+        # after which a fresh quarantine runs (DRAINING).
+        (_C.SUSPECT, _I.PAIRS_SETTLED): Row(_C.RELEASED, "drop_suspect", "release"),
+        (_C.SUSPECT, _I.SETTLED): Row(_C.RELEASED, "drop_suspect", "release"),
+        (_C.SUSPECT, _I.REJECTED): Row(_C.RELEASED, "drop_suspect", "release"),
+        (_C.SUSPECT, _I.PEER_DOWN): Row(_C.DRAINING, "drop_suspect", "requarantine"),
+        (_C.SUSPECT, _I.RETRY): Row(_C.SUSPECT, "probe"),
+    },
+    stays={
+        _C.AWAITING: (_I.RENEW, _I.COMPLETION),
+        _C.RETRY_WAIT: _RETRY_WAIT_STAYS,
+        _C.DRAINING: (_I.COMPLETION, _I.WRITE_FAILED, _I.PEER_ABORT, _I.PEER_DOWN),
+        _C.SUSPECT: (_I.COMPLETION, _I.WRITE_FAILED, _I.PEER_ABORT),
+    },
+    timers=_CONSUMER_TIMERS,
+    fires=_CONSUMER_FIRES,
+)
+
+CONSUMER_PULL: Machine[CState, CInput] = Machine(
+    {
+        **_CONSUMER_COMMON,
+        (_C.AWAITING, _I.ANNOUNCE): Row(_C.READING),
+        (_C.AWAITING, _I.SETTLED): Row(_C.RELEASED, "fail", "release"),
+        (_C.AWAITING, _I.REJECTED): Row(_C.RELEASED, "fail", "release"),
+        (_C.AWAITING, _I.PEER_ABORT): Row(_C.RELEASED, "fail", "release"),
+        (_C.AWAITING, _I.PEER_DOWN): Row(_C.RELEASED, "fail", "release"),
+        (_C.AWAITING, _I.DEADLINE): Row(_C.RELEASED, "fail", "send_abort", "release"),
+        (_C.AWAITING, _I.PREEMPT): Row(_C.RELEASED, "send_withdraw", "release"),
+        (_C.AWAITING, _I.ABORT): Row(_C.RELEASED, "send_abort", "release"),
+        (_C.READING, _I.READS_OK): Row(_C.READY, "ready"),
+        (_C.READING, _I.READ_FAILED): Row(_C.READ_DRAIN, "fail", "read_drain"),
+        (_C.READING, _I.READS_SETTLED): Row(_C.RELEASED, "fail", "send_reads_failed", "release"),
+        (_C.READING, _I.DEADLINE): Row(_C.READ_DRAIN, "fail", "read_drain"),
+        (_C.READING, _I.PREEMPT): Row(_C.READ_DRAIN, "read_drain"),
+        (_C.READING, _I.ABORT): Row(_C.READ_DRAIN, "read_drain"),
+        (_C.READING, _I.PEER_ABORT): Row(_C.READ_DRAIN, "fail", "read_drain"),
+        (_C.READING, _I.PEER_DOWN): Row(_C.READ_DRAIN, "fail", "read_drain"),
+        (_C.READ_DRAIN, _I.READS_SETTLED): Row(_C.RELEASED, "tell_after_reads", "release"),
+    },
+    stays={
+        _C.AWAITING: (_I.RENEW,),
+        _C.RETRY_WAIT: _RETRY_WAIT_STAYS,
+        _C.READING: (_I.READ_OK,),
+        _C.READ_DRAIN: (_I.READ_OK, _I.READ_FAILED, _I.PEER_ABORT, _I.PEER_DOWN),
+    },
+    timers=_CONSUMER_TIMERS,
+    fires=_CONSUMER_FIRES,
+)
 
 
 # --- producer: one transfer's source KV ------------------------------------------
@@ -292,114 +347,152 @@ class PInput(_Enum):
 _P = PState
 _Q = PInput
 
-PRODUCER: Mapping[tuple[PState, PInput], PState] = {
-    (_P.IDLE, _Q.REGISTER): _P.WAIT_KV,
-    (_P.IDLE, _Q.KV_READY): _P.HOLDING,
-    (_P.IDLE, _Q.KV_MORE): _P.HOLDING,
-    (_P.IDLE, _Q.ABORT): _P.RELEASED,
-    (_P.IDLE, _Q.PEER_ABORT): _P.RELEASED,
-    (_P.IDLE, _Q.PEER_DOWN): _P.IDLE,
-    (_P.IDLE, _Q.WITHDRAW): _P.IDLE,
-    (_P.IDLE, _Q.EXPIRED): _P.GONE,
-    (_P.WAIT_KV, _Q.REGISTER): _P.WAIT_KV,
-    (_P.WAIT_KV, _Q.RENDEZVOUS_PUSH): _P.WRITING,
-    (_P.WAIT_KV, _Q.RENDEZVOUS_PULL): _P.LENT,
-    (_P.WAIT_KV, _Q.KV_MORE): _P.WAIT_REST,
-    (_P.WAIT_KV, _Q.WITHDRAW): _P.IDLE,
-    (_P.WAIT_KV, _Q.LEASE_EXPIRED): _P.IDLE,
-    (_P.WAIT_KV, _Q.RENEW): _P.WAIT_KV,
-    (_P.WAIT_KV, _Q.EXTEND): _P.WAIT_KV,
-    (_P.WAIT_KV, _Q.ABORT): _P.RELEASED,
-    (_P.WAIT_KV, _Q.PEER_ABORT): _P.RELEASED,
-    (_P.WAIT_KV, _Q.PEER_DOWN): _P.IDLE,
-    (_P.HOLDING, _Q.RENDEZVOUS_PUSH): _P.WRITING,
-    (_P.HOLDING, _Q.RENDEZVOUS_PULL): _P.LENT,
-    (_P.HOLDING, _Q.HOLD_EXPIRED): _P.RELEASED,
-    (_P.HOLDING, _Q.ABORT): _P.RELEASED,
-    (_P.HOLDING, _Q.PEER_ABORT): _P.RELEASED,
-    (_P.HOLDING, _Q.PEER_DOWN): _P.HOLDING,
-    (_P.HOLDING, _Q.KEEP): _P.HOLDING,
-    (_P.HOLDING, _Q.KV_MORE): _P.HOLDING,
-    (_P.HOLDING, _Q.KV_READY): _P.HOLDING,
-    (_P.HOLDING, _Q.REGISTER): _P.WAIT_REST,
-    (_P.WRITING, _Q.REGISTER): _P.WRITING,
-    (_P.WRITING, _Q.WITHDRAW): _P.WRITING,
-    (_P.WRITING, _Q.WRITE_SETTLED): _P.WRITING,
-    (_P.WRITING, _Q.WRITE_NEXT): _P.WRITING,
-    (_P.WRITING, _Q.KV_MORE): _P.WRITING,
-    (_P.WRITING, _Q.KV_READY): _P.WRITING,
-    (_P.WRITING, _Q.RENEW): _P.WRITING,
-    (_P.WRITING, _Q.LEASE_EXPIRED): _P.WRITING,
-    (_P.WRITING, _Q.EXTEND): _P.WRITING,
-    (_P.WRITING, _Q.SETTLED_PARTIAL): _P.STREAMING,
-    (_P.WRITING, _Q.SETTLED_DELIVERED): _P.DELIVERED,
-    (_P.WRITING, _Q.SETTLED_ACKED): _P.RELEASED,
-    (_P.WRITING, _Q.SETTLED_FAILED): _P.RELEASED,
-    (_P.WRITING, _Q.SETTLED_NEXT): _P.WRITING,
-    (_P.WRITING, _Q.SETTLED_IDLE): _P.HOLDING,
-    (_P.WRITING, _Q.ABORT): _P.DRAINING,
-    (_P.WRITING, _Q.PEER_ABORT): _P.DRAINING,
-    (_P.WRITING, _Q.PEER_DOWN): _P.DRAINING,
-    (_P.STREAMING, _Q.KV_MORE): _P.WRITING,
-    (_P.STREAMING, _Q.KV_READY): _P.WRITING,
-    (_P.STREAMING, _Q.RENDEZVOUS_PUSH): _P.WRITING,
-    (_P.STREAMING, _Q.REGISTER): _P.WAIT_REST,
-    (_P.STREAMING, _Q.WITHDRAW): _P.HOLDING,
-    (_P.STREAMING, _Q.LEASE_EXPIRED): _P.HOLDING,
-    (_P.STREAMING, _Q.RENEW): _P.STREAMING,
-    (_P.STREAMING, _Q.EXTEND): _P.STREAMING,
-    (_P.STREAMING, _Q.ABORT): _P.RELEASED,
-    (_P.STREAMING, _Q.PEER_ABORT): _P.RELEASED,
-    (_P.STREAMING, _Q.PEER_DOWN): _P.HOLDING,
-    (_P.WAIT_REST, _Q.KV_MORE): _P.WAIT_REST,
-    (_P.WAIT_REST, _Q.RENDEZVOUS_PULL): _P.LENT,
-    (_P.WAIT_REST, _Q.RENDEZVOUS_PUSH): _P.WRITING,
-    (_P.WAIT_REST, _Q.REGISTER): _P.WAIT_REST,
-    (_P.WAIT_REST, _Q.WITHDRAW): _P.HOLDING,
-    (_P.WAIT_REST, _Q.LEASE_EXPIRED): _P.HOLDING,
-    (_P.WAIT_REST, _Q.RENEW): _P.WAIT_REST,
-    (_P.WAIT_REST, _Q.EXTEND): _P.WAIT_REST,
-    (_P.WAIT_REST, _Q.ABORT): _P.RELEASED,
-    (_P.WAIT_REST, _Q.PEER_ABORT): _P.RELEASED,
-    (_P.WAIT_REST, _Q.PEER_DOWN): _P.HOLDING,
-    (_P.DELIVERED, _Q.RENDEZVOUS_PUSH): _P.WRITING,
-    (_P.DELIVERED, _Q.RENDEZVOUS_PULL): _P.LENT,
-    (_P.DELIVERED, _Q.READ_DONE): _P.RELEASED,
-    (_P.DELIVERED, _Q.HOLD_EXPIRED): _P.RELEASED,
-    (_P.DELIVERED, _Q.ABORT): _P.RELEASED,
-    (_P.DELIVERED, _Q.PEER_ABORT): _P.RELEASED,
-    (_P.DELIVERED, _Q.PEER_DOWN): _P.DELIVERED,
-    (_P.DELIVERED, _Q.PEER_GONE): _P.RELEASED,
-    (_P.DRAINING, _Q.REGISTER): _P.DRAINING,
-    (_P.DRAINING, _Q.WRITE_SETTLED): _P.DRAINING,
-    (_P.DRAINING, _Q.KV_MORE): _P.DRAINING,
-    (_P.DRAINING, _Q.KV_READY): _P.DRAINING,
-    (_P.DRAINING, _Q.SETTLED_DELIVERED): _P.RELEASED,
-    (_P.DRAINING, _Q.SETTLED_FAILED): _P.RELEASED,
-    (_P.DRAINING, _Q.ABORT): _P.DRAINING,
-    (_P.DRAINING, _Q.PEER_ABORT): _P.DRAINING,
-    (_P.DRAINING, _Q.PEER_DOWN): _P.DRAINING,
-    (_P.LENT, _Q.REGISTER): _P.LENT,
-    (_P.LENT, _Q.READ_DONE): _P.RELEASED,
-    (_P.LENT, _Q.WITHDRAW): _P.HOLDING,
-    (_P.LENT, _Q.QUARANTINE): _P.RELEASED,
-    (_P.LENT, _Q.ABORT): _P.LENT,
-    (_P.LENT, _Q.PEER_ABORT): _P.RELEASED,
-    (_P.LENT, _Q.PEER_ABORT_NEWER): _P.LENT,
-    (_P.LENT, _Q.PEER_DOWN): _P.LENT,
-    (_P.RELEASED, _Q.REGISTER): _P.RELEASED,
-    (_P.RELEASED, _Q.KV_READY): _P.RELEASED,
-    (_P.RELEASED, _Q.KV_MORE): _P.RELEASED,
-    (_P.RELEASED, _Q.EXPIRED): _P.GONE,
-    (_P.RELEASED, _Q.ABORT): _P.RELEASED,
-    (_P.RELEASED, _Q.PEER_ABORT): _P.RELEASED,
-    (_P.RELEASED, _Q.PEER_DOWN): _P.RELEASED,
-}
+
+def _lease(rec: Any) -> float:
+    """A waiting registration's timer: the next renewal, or the end of the lease."""
+    return min(rec.renew_at, rec.reg.lease_until)  # type: ignore[no-any-return]
 
 
-def render_markdown(table: Mapping[tuple[enum.Enum, enum.Enum], enum.Enum]) -> str:
-    """Render a transition table as a Markdown table (used by docs/protocol.md)."""
-    lines = ["| state | input | next state |", "|---|---|---|"]
-    for (state, inp), new in table.items():
-        lines.append(f"| `{state.name}` | `{inp.name}` | `{new.name}` |")
+def _renewal(rec: Any) -> float:
+    """WRITING's timer: the next renewal while the source is partial. The
+    lease ends no in-flight write; one posted after it fails (``not_after``)."""
+    return rec.renew_at if rec.partial else math.inf
+
+
+_expire = ((Timer.EXPIRE, attrgetter("expires_at")),)
+_hold = ((Timer.HOLD, attrgetter("hold_until")),)
+
+#: ``abort``: a local abort, told to the consumer (``abort_quietly``: it knows,
+#: or has its Ready). Rows that move no timer's time re-arm nothing.
+PRODUCER: Machine[PState, PInput] = Machine(
+    {
+        (_P.IDLE, _Q.REGISTER): Row(_P.WAIT_KV),
+        (_P.IDLE, _Q.KV_READY): Row(_P.HOLDING, "hold"),
+        (_P.IDLE, _Q.KV_MORE): Row(_P.HOLDING, "hold"),
+        (_P.IDLE, _Q.ABORT): Row(_P.RELEASED, "abort", "release"),
+        (_P.IDLE, _Q.PEER_ABORT): Row(_P.RELEASED, "peer_abort", "release"),
+        (_P.IDLE, _Q.EXPIRED): Row(_P.GONE, "forget"),
+        (_P.WAIT_KV, _Q.RENDEZVOUS_PUSH): Row(_P.WRITING, "new_epoch", "write"),
+        (_P.WAIT_KV, _Q.RENDEZVOUS_PULL): Row(_P.LENT, "lend"),
+        (_P.WAIT_KV, _Q.KV_MORE): Row(_P.WAIT_REST),
+        (_P.WAIT_KV, _Q.WITHDRAW): Row(_P.IDLE, "settle_waiting", "unwait"),
+        (_P.WAIT_KV, _Q.LEASE_EXPIRED): Row(_P.IDLE, "reject_lease", "unwait"),
+        (_P.WAIT_KV, _Q.RENEW): Row(_P.WAIT_KV, "renew"),
+        (_P.WAIT_KV, _Q.ABORT): Row(_P.RELEASED, "abort", "release"),
+        (_P.WAIT_KV, _Q.PEER_ABORT): Row(_P.RELEASED, "peer_abort", "release"),
+        (_P.WAIT_KV, _Q.PEER_DOWN): Row(_P.IDLE, "unwait"),
+        (_P.HOLDING, _Q.RENDEZVOUS_PUSH): Row(_P.WRITING, "new_epoch", "write"),
+        (_P.HOLDING, _Q.RENDEZVOUS_PULL): Row(_P.LENT, "lend"),
+        (_P.HOLDING, _Q.HOLD_EXPIRED): Row(_P.RELEASED, "release"),
+        (_P.HOLDING, _Q.ABORT): Row(_P.RELEASED, "abort", "release"),
+        (_P.HOLDING, _Q.PEER_ABORT): Row(_P.RELEASED, "peer_abort", "release"),
+        (_P.HOLDING, _Q.KV_MORE): Row(_P.HOLDING, "hold"),
+        (_P.HOLDING, _Q.KV_READY): Row(_P.HOLDING, "hold"),
+        (_P.HOLDING, _Q.REGISTER): Row(_P.WAIT_REST),
+        (_P.WRITING, _Q.WRITE_NEXT): Row(_P.WRITING, "write"),
+        (_P.WRITING, _Q.KV_MORE): Row(_P.WRITING, "write"),
+        (_P.WRITING, _Q.KV_READY): Row(_P.WRITING, "write"),
+        (_P.WRITING, _Q.RENEW): Row(_P.WRITING, "renew"),
+        (_P.WRITING, _Q.LEASE_EXPIRED): Row(_P.WRITING, "lease_late"),
+        (_P.WRITING, _Q.SETTLED_PARTIAL): Row(_P.STREAMING),
+        (_P.WRITING, _Q.SETTLED_DELIVERED): Row(_P.DELIVERED, "delivered"),
+        (_P.WRITING, _Q.SETTLED_ACKED): Row(_P.RELEASED, "release"),
+        (_P.WRITING, _Q.SETTLED_FAILED): Row(_P.RELEASED, "owe_live", "release"),
+        (_P.WRITING, _Q.SETTLED_NEXT): Row(_P.WRITING, "next_epoch", "new_epoch", "write"),
+        (_P.WRITING, _Q.SETTLED_IDLE): Row(_P.HOLDING, "settle_live", "hold"),
+        (_P.WRITING, _Q.ABORT): Row(_P.DRAINING, "abort"),
+        (_P.WRITING, _Q.PEER_ABORT): Row(_P.DRAINING, "peer_abort"),
+        (_P.WRITING, _Q.PEER_DOWN): Row(_P.DRAINING),
+        (_P.STREAMING, _Q.KV_MORE): Row(_P.WRITING, "write"),
+        (_P.STREAMING, _Q.KV_READY): Row(_P.WRITING, "write"),
+        (_P.STREAMING, _Q.RENDEZVOUS_PUSH): Row(_P.WRITING, "new_epoch", "write"),
+        (_P.STREAMING, _Q.REGISTER): Row(_P.WAIT_REST),
+        (_P.STREAMING, _Q.WITHDRAW): Row(_P.HOLDING, "tell_owed", "hold"),
+        (_P.STREAMING, _Q.LEASE_EXPIRED): Row(_P.HOLDING, "reject_lease", "hold"),
+        (_P.STREAMING, _Q.RENEW): Row(_P.STREAMING, "renew"),
+        (_P.STREAMING, _Q.ABORT): Row(_P.RELEASED, "abort", "release"),
+        (_P.STREAMING, _Q.PEER_ABORT): Row(_P.RELEASED, "peer_abort", "release"),
+        (_P.STREAMING, _Q.PEER_DOWN): Row(_P.HOLDING, "hold"),
+        (_P.WAIT_REST, _Q.RENDEZVOUS_PULL): Row(_P.LENT, "lend"),
+        (_P.WAIT_REST, _Q.RENDEZVOUS_PUSH): Row(_P.WRITING, "new_epoch", "write"),
+        (_P.WAIT_REST, _Q.WITHDRAW): Row(_P.HOLDING, "tell_owed", "hold"),
+        (_P.WAIT_REST, _Q.LEASE_EXPIRED): Row(_P.HOLDING, "reject_lease", "hold"),
+        (_P.WAIT_REST, _Q.RENEW): Row(_P.WAIT_REST, "renew"),
+        (_P.WAIT_REST, _Q.ABORT): Row(_P.RELEASED, "abort", "release"),
+        (_P.WAIT_REST, _Q.PEER_ABORT): Row(_P.RELEASED, "peer_abort", "release"),
+        (_P.WAIT_REST, _Q.PEER_DOWN): Row(_P.HOLDING, "hold"),
+        (_P.DELIVERED, _Q.RENDEZVOUS_PUSH): Row(_P.WRITING, "new_epoch", "write"),
+        (_P.DELIVERED, _Q.RENDEZVOUS_PULL): Row(_P.LENT, "lend"),
+        (_P.DELIVERED, _Q.READ_DONE): Row(_P.RELEASED, "release"),
+        (_P.DELIVERED, _Q.HOLD_EXPIRED): Row(_P.RELEASED, "release"),
+        (_P.DELIVERED, _Q.ABORT): Row(_P.RELEASED, "abort_quietly", "release"),
+        (_P.DELIVERED, _Q.PEER_ABORT): Row(_P.RELEASED, "peer_abort", "release"),
+        (_P.DELIVERED, _Q.PEER_GONE): Row(_P.RELEASED, "release"),
+        (_P.DRAINING, _Q.SETTLED_DELIVERED): Row(_P.RELEASED, "release"),
+        (_P.DRAINING, _Q.SETTLED_FAILED): Row(_P.RELEASED, "owe_live", "release"),
+        (_P.DRAINING, _Q.ABORT): Row(_P.DRAINING, "abort_quietly"),
+        (_P.DRAINING, _Q.PEER_ABORT): Row(_P.DRAINING, "peer_abort"),
+        (_P.LENT, _Q.READ_DONE): Row(_P.RELEASED, "release"),
+        (_P.LENT, _Q.WITHDRAW): Row(_P.HOLDING, "tell_owed", "hold"),
+        (_P.LENT, _Q.QUARANTINE): Row(_P.RELEASED, "release"),
+        (_P.LENT, _Q.ABORT): Row(_P.LENT, "abort"),
+        (_P.LENT, _Q.PEER_ABORT): Row(_P.RELEASED, "peer_abort", "release"),
+        (_P.LENT, _Q.PEER_ABORT_NEWER): Row(_P.LENT, "peer_abort"),
+        # A source given back at its last increment (or abort): see ``_release``.
+        (_P.RELEASED, _Q.KV_READY): Row(_P.RELEASED, "release"),
+        (_P.RELEASED, _Q.KV_MORE): Row(_P.RELEASED, "release"),
+        (_P.RELEASED, _Q.EXPIRED): Row(_P.GONE, "forget"),
+        (_P.RELEASED, _Q.ABORT): Row(_P.RELEASED, "abort_quietly"),
+        (_P.RELEASED, _Q.PEER_ABORT): Row(_P.RELEASED, "peer_abort"),
+    },
+    stays={
+        _P.IDLE: (_Q.PEER_DOWN, _Q.WITHDRAW),
+        _P.WAIT_KV: (_Q.REGISTER, _Q.EXTEND),
+        _P.HOLDING: (_Q.PEER_DOWN, _Q.KEEP),
+        _P.WRITING: (_Q.REGISTER, _Q.WITHDRAW, _Q.WRITE_SETTLED, _Q.EXTEND),
+        _P.STREAMING: (_Q.EXTEND,),
+        _P.WAIT_REST: (_Q.KV_MORE, _Q.REGISTER, _Q.EXTEND),
+        _P.DELIVERED: (_Q.PEER_DOWN,),
+        _P.DRAINING: (_Q.REGISTER, _Q.WRITE_SETTLED, _Q.KV_MORE, _Q.KV_READY, _Q.PEER_DOWN),
+        _P.LENT: (_Q.REGISTER, _Q.PEER_DOWN),
+        _P.RELEASED: (_Q.REGISTER, _Q.PEER_DOWN),
+    },
+    timers={
+        _P.IDLE: _expire,
+        _P.WAIT_KV: ((Timer.LEASE, _lease),),
+        _P.WRITING: ((Timer.LEASE, _renewal),),
+        _P.STREAMING: ((Timer.LEASE, _lease),),
+        _P.WAIT_REST: ((Timer.LEASE, _lease),),
+        _P.HOLDING: _hold,
+        _P.DELIVERED: _hold,
+        _P.LENT: ((Timer.QUARANTINE, attrgetter("quarantine_at")),),
+        _P.RELEASED: _expire,
+    },
+    fires={
+        Timer.EXPIRE: _Q.EXPIRED,
+        Timer.LEASE: _Q.LEASE_EXPIRED,  # or RENEW, before the lease ends
+        Timer.HOLD: _Q.HOLD_EXPIRED,
+        Timer.QUARANTINE: _Q.QUARANTINE,
+    },
+)
+
+
+def render_markdown(machine: Machine[Any, Any]) -> str:
+    """Render a machine as a Markdown table (used by docs/protocol.md): its
+    rows state by state, the inputs a state stays in with no effect on one
+    line, and the timers armed after each row (those of the next state)."""
+
+    def line(state: enum.Enum, inputs: str, row: Row[Any]) -> str:
+        effects = ", ".join(f"`{e}`" for e in row.effects) or "-"
+        timers = ", ".join(f"`{k.name}`" for k, _ in machine.timers.get(row.next, ())) or "-"
+        return f"| `{state.name}` | {inputs} | `{row.next.name}` | {effects} | {timers} |"
+
+    lines = ["| state | input | next state | effects | timers |", "|---|---|---|---|---|"]
+    for state in type(next(iter(machine))[0]):
+        stays = machine.stays.get(state, ())
+        for (s, inp), row in machine.rows.items():
+            if s is state and inp not in stays:
+                lines.append(line(s, f"`{inp.name}`", row))
+        if stays:
+            lines.append(line(state, ", ".join(f"`{i.name}`" for i in stays), Row(state)))
     return "\n".join(lines)

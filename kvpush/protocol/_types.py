@@ -89,12 +89,8 @@ class RejectReason(enum.Enum):
 
 
 class Source(NamedTuple):
-    """One producer rank: its tensor-parallel rank and pipeline stage.
-
-    A named tuple rather than a dataclass: it is hashed on every completion
-    (sets of ``(source, consumer rank)`` pairs), and a tuple hashes in C.
-    Ranges are checked where sources come from: the topology and the codec.
-    """
+    """One producer rank: its tensor-parallel rank and pipeline stage (a named
+    tuple: it is hashed on every completion, and a tuple hashes in C)."""
 
     tp: int
     pp: int = 0

@@ -1,92 +1,42 @@
 """The control channel: codec frames between named endpoints over TCP (anyio).
 
-One :class:`ControlChannel` per endpoint process. It keeps at most one
-connection per peer and uses it both ways, whoever dialed it. Peers we must
-reach first get a route (:meth:`ControlChannel.add_route`); the channel dials
-them, and redials with backoff when the connection drops. Everything that
-arrives comes out of one bounded stream of events (:meth:`~ControlChannel.events`):
-:class:`Received`, :class:`PeerConnected`, :class:`PeerLost` and :class:`Garbage`.
-
-Sending. Each peer has a bounded queue (``max_queue`` frames and
-``max_queue_bytes``) drained by one writer task. :meth:`~ControlChannel.send`
-waits up to ``send_timeout`` for room, then raises :class:`ChannelBusy`;
-:meth:`~ControlChannel.send_nowait` raises it at once. A frame that waited in
-the queue longer than ``max_age`` (half the protocol's ``Timing.max_transit``:
-the other half is the receiving pump's ``stall_limit``) is
-dropped and counted, never sent late; sockets also get ``TCP_USER_TIMEOUT =
-max_age`` where the platform has it, so bytes the peer does not acknowledge in
-time kill the connection instead of arriving late. A frame handed to a
-connection that then fails is lost (counted), not retried: the protocol
-survives lost frames, and a retry could arrive late.
-
-Peer loss. A peer is *up* from :class:`PeerConnected` until :class:`PeerLost`,
-which comes exactly once per loss: when its connection dropped and no new one
-was established within ``peer_lost_after`` seconds (routed peers are redialed
-meanwhile; unrouted ones must dial back), or at once when the peer reconnects
-as a new instance (a restart). The frames still queued for it are discarded
-then; an unrouted peer is forgotten (sends raise :class:`PeerUnreachable`).
-
-Garbage. A frame the codec refuses (malformed, forged, wrong secret) is counted,
-logged and reported as :class:`Garbage`; the connection stays. A length prefix
-over the codec's ``max_frame_bytes`` (or a bad preamble) drops the connection;
-other peers never notice.
-
-Admission. A connection that has not sent its preamble holds one of at most
-``max_handshakes`` slots (at most ``max_handshakes_per_source`` per source
-address) for at most ``preamble_timeout`` seconds; a new connection that finds
-no room evicts the oldest waiting one of its own source (or of the busiest
-source), so a flood of slow or silent connections, even from a real peer's
-own address, cannot keep that peer out: its preamble comes with its first
-bytes. Refusals are counted by reason (``handshake_refusals``) and logged as
-one line of counts per ``refusal_log_interval`` (see :mod:`._channel_links`).
-
-Shutdown. Leaving the ``async with`` block (or :meth:`~ControlChannel.aclose`)
-fails every waiting :meth:`~ControlChannel.send` with :class:`ChannelClosed`,
-discards queued frames (counted), closes every socket and cancels every task;
-it never waits on the network.
-
-Parts. The channel runs each peer's writer and each connection's reader; it
-owns its :class:`~._channel_peer.Peers`, its :class:`~._channel_links.Links`
-(dial and accept) and the :class:`~._channel_peer.Hub` they share.
-
-Connections open with the preamble described in :mod:`._framing`. When both
-sides dial at once, the acceptor with the smaller name refuses the other's dial
-while its own is in flight (so the connection dialed by the smaller name wins
-on both sides); a dial that arrives while a connection is up replaces it only
-if the dialer names that connection as the one it replaces (it saw it die), or
-comes from a new instance of the peer. With a codec secret the preamble and
-ack are sealed with it too (:func:`._framing.seal`): a forger can neither
-inject messages nor displace a peer's connection (a preamble under a live
-peer's name and a new instance would otherwise pass for its restart, and fail
-its transfers). Without a secret, whoever reaches the port is trusted.
+One :class:`ControlChannel` per endpoint process, at most one connection per
+peer, used both ways. Its rules and why (bounded queues and ``max_age``, no
+retry of a lost frame, ``PeerLost`` once per loss, garbage, admission before
+the preamble, the sealed preamble, shutdown): docs/runtime.md, "The control
+channel" and "Trust". Each peer's connection life is decided by its
+:class:`~._link.Link` (sans-IO); the channel pumps it as the endpoint runtime
+pumps the core, and owns every task, socket and peer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import random
+import secrets
+import socket
+from collections.abc import Callable, Coroutine
 from types import MappingProxyType, TracebackType
-from typing import Final
+from typing import Any, Final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 from anyio.abc import SocketAttribute
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from kvpush.protocol import (
-    Codec,
-    ConfigError,
-    ControlMessage,
-    RemoteProtocolError,
-    Timing,
-)
+from kvpush.protocol import Codec, ConfigError, ControlMessage, RemoteProtocolError, build_options
 
-from ._channel_links import Admission, Links
-from ._channel_peer import CLOSED, NET_ERRORS, NEW, OPEN, Conn, Hub, Peer, Peers
+from ._channel_peer import NET_ERRORS, Admission, Conn, Outbox, Peer
 from ._channel_types import (
     Backoff,
     ChannelBusy,
     ChannelClosed,
     ChannelEvent,
+    ChannelSettings,
     ChannelStatistics,
     Garbage,
     PeerConnected,
@@ -95,15 +45,26 @@ from ._channel_types import (
     PeerUnreachable,
     Received,
     check_name,
-    positive,
 )
-from ._framing import FramingError, encode_frame, read_frame
+from ._framing import (
+    MAX_HANDSHAKE_BYTES,
+    Ack,
+    FramingError,
+    Preamble,
+    encode_frame,
+    read_frame,
+    seal,
+    unseal,
+    write_frame,
+)
+from ._link import Effect, Input, Link, State
 
 __all__ = (
     "Backoff",
     "ChannelBusy",
     "ChannelClosed",
     "ChannelEvent",
+    "ChannelSettings",
     "ChannelStatistics",
     "ControlChannel",
     "Garbage",
@@ -120,117 +81,67 @@ log = logging.getLogger("kvpush.runtime.channel")
 #: How long aclose() waits for the channel's tasks to finish (they are cancelled).
 _CLOSE_GRACE: Final = 2.0
 
+NEW, OPEN, CLOSED = "new", "open", "closed"
+
 
 class ControlChannel:
     """Control frames between this endpoint (``name``) and its peers over TCP.
 
     Use as ``async with ControlChannel(name, codec) as ch:``; inside, call
     :meth:`listen`, :meth:`add_route`, :meth:`send` / :meth:`send_nowait` and
-    consume :meth:`events`. ``max_age`` should be half the endpoint's
-    ``Timing.max_transit`` (the receiving pump's ``stall_limit`` is the other
-    half); ``idle_timeout`` (off by default) drops a connection that received
-    nothing for that long (pair it with periodic Heartbeats).
-    ``max_handshakes``, ``max_handshakes_per_source``, ``preamble_timeout``
-    and ``refusal_log_interval`` bound the connections that have not yet sent
-    their preamble (module docs, "Admission").
+    consume :meth:`events`. ``settings`` (:class:`ChannelSettings`), or its
+    fields as keywords (``max_age=...``), bound the queues, waits and
+    handshakes (docs/runtime.md, "The control channel").
     """
 
     def __init__(
-        self,
-        name: str,
-        codec: Codec,
-        *,
-        max_queue: int = 1024,
-        max_queue_bytes: int = 64 << 20,
-        send_timeout: float = 5.0,
-        connect_timeout: float = 2.0,
-        write_timeout: float = 10.0,
-        backoff: Backoff | None = None,
-        peer_lost_after: float = 5.0,
-        max_age: float = Timing().max_transit / 2,
-        max_events: int = 1024,
-        idle_timeout: float | None = None,
-        max_handshakes: int = 64,
-        max_handshakes_per_source: int = 16,
-        preamble_timeout: float = 1.0,
-        refusal_log_interval: float = 10.0,
+        self, name: str, codec: Codec, settings: ChannelSettings | None = None, **options: Any
     ) -> None:
         check_name("name", name)
         if not isinstance(codec, Codec):
             raise ConfigError(f"codec must be a Codec, got {type(codec).__name__}")
-        for what, n in (
-            ("max_queue", max_queue),
-            ("max_queue_bytes", max_queue_bytes),
-            ("max_handshakes", max_handshakes),
-            ("max_handshakes_per_source", max_handshakes_per_source),
-        ):
-            if type(n) is not int or n < 1:
-                raise ConfigError(f"{what} must be a positive int, got {n!r}")
-        if type(max_events) is not int or max_events < 1:
-            raise ConfigError(f"max_events must be a positive int, got {max_events!r}")
-        for what, v in (
-            ("send_timeout", send_timeout),
-            ("connect_timeout", connect_timeout),
-            ("write_timeout", write_timeout),
-            ("peer_lost_after", peer_lost_after),
-            ("max_age", max_age),
-            ("preamble_timeout", preamble_timeout),
-            ("refusal_log_interval", refusal_log_interval),
-        ):
-            positive(what, v)
-        if max_handshakes_per_source > max_handshakes:
-            raise ConfigError("max_handshakes_per_source must be <= max_handshakes")
-        if idle_timeout is not None:
-            positive("idle_timeout", idle_timeout)
-        if backoff is not None and not isinstance(backoff, Backoff):
-            raise ConfigError(f"backoff must be a Backoff, got {type(backoff).__name__}")
+        if settings is None:
+            settings = build_options(ChannelSettings, options, what="channel")
+        elif options or not isinstance(settings, ChannelSettings):
+            raise ConfigError("pass a ChannelSettings or its fields as keywords, not both")
+        self.name = name
+        self.settings = settings
         self._codec = codec
-        self._send_timeout = float(send_timeout)
-        self._write_timeout = float(write_timeout)
-        self._max_age = float(max_age)
-        self._max_events = max_events
-        self._idle_timeout = idle_timeout
-        self._hub = hub = Hub(name, self._max_age)
-        self._peers = Peers(hub, self._run_peer, max_queue, max_queue_bytes, float(peer_lost_after))
-        adm = Admission(
-            hub,
-            max_handshakes,
-            max_handshakes_per_source,
-            float(preamble_timeout),
-            float(refusal_log_interval),
-        )
-        backoff = Backoff() if backoff is None else backoff
-        self._links = Links(
-            hub, self._peers, self._read_loop, codec, float(connect_timeout), backoff, adm
-        )
+        self._instance = secrets.randbits(64)
+        self._rng = random.Random(secrets.randbits(64))
+        self._state = NEW
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._sockets: set[anyio.abc.SocketStream] = set()
+        self._events: MemoryObjectSendStream[ChannelEvent] | None = None
+        self._events_recv: MemoryObjectReceiveStream[ChannelEvent] | None = None
+        self._peers: dict[str, Peer] = {}
+        self._admission = Admission(name, self._spawn, settings)
         self._stopped: anyio.Event | None = None
         self._outer: anyio.abc.TaskGroup | None = None
-        self._events_recv: MemoryObjectReceiveStream[ChannelEvent] | None = None
         self._listeners: list[anyio.abc.Listener[anyio.abc.SocketStream]] = []
         self._ports: list[int] = []
         self._garbage = 0
+        #: Frames discarded unsent with their peer forgotten, or at close.
+        self._discarded = 0
 
     def __repr__(self) -> str:
-        hub = self._hub
-        return f"ControlChannel({hub.name!r}, {hub.state}, peers={sorted(self._peers.by_name)})"
-
-    @property
-    def name(self) -> str:
-        return self._hub.name
+        return f"ControlChannel({self.name!r}, {self._state}, peers={sorted(self._peers)})"
 
     @property
     def max_age(self) -> float:
         """Seconds a frame may wait in a send queue (and unacknowledged on the
-        socket) before it is dropped: this side's share of ``max_transit``."""
-        return self._max_age
+        socket): this side's share of ``max_transit``."""
+        return self.settings.max_age
 
-    # --- lifecycle --------------------------------------------------------------------
+    @property
+    def _open(self) -> bool:
+        return self._state is OPEN and self._tg is not None
 
     async def __aenter__(self) -> ControlChannel:
-        if self._hub.state is not NEW:
+        if self._state is not NEW:
             raise ChannelClosed("a ControlChannel can be entered only once")
-        send, recv = anyio.create_memory_object_stream[ChannelEvent](self._max_events)
-        self._hub.events, self._events_recv = send, recv
+        send, recv = anyio.create_memory_object_stream[ChannelEvent](self.settings.max_events)
+        self._events, self._events_recv = send, recv
         self._stopped = anyio.Event()
         outer = anyio.create_task_group()
         await outer.__aenter__()
@@ -240,9 +151,10 @@ class ControlChannel:
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
-        self._hub.state = OPEN
-        for p in self._peers.by_name.values():
-            self._peers.start(p)
+        self._state = OPEN
+        for p in self._peers.values():
+            self._start(p)
+            self._apply(p, p.link.step(anyio.current_time(), Input.DIAL))
         return self
 
     async def __aexit__(
@@ -269,7 +181,7 @@ class ControlChannel:
     ) -> None:
         try:
             async with anyio.create_task_group() as tg:
-                self._hub.tg = tg
+                self._tg = tg
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -279,20 +191,28 @@ class ControlChannel:
     async def aclose(self) -> None:
         """Close now: waiting senders get :class:`ChannelClosed`, queued frames are
         discarded, sockets closed, tasks cancelled. Idempotent; never hangs."""
-        if self._hub.state is CLOSED:
+        if self._state is CLOSED:
             return
-        self._hub.state = CLOSED
+        self._state = CLOSED
         with anyio.CancelScope(shield=True):
-            self._peers.close()
+            for p in self._peers.values():
+                n = p.outbox.close(ChannelClosed, "the channel is closed")
+                self._discarded += n
+                if n:
+                    log.info("%s: discarded %d frame(s) to %s at close", self.name, n, p.name)
             for listener in self._listeners:
                 await anyio.aclose_forcefully(listener)
-            await self._hub.close()
-            self._links.admission.log_line(anyio.current_time())  # held back by the rate limit
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+            for stream in list(self._sockets):
+                await anyio.aclose_forcefully(stream)
+            self._sockets.clear()
+            if self._events is not None:
+                self._events.close()
+            self._admission.log_line(anyio.current_time())  # held back by the rate limit
             if self._stopped is not None:
                 with anyio.move_on_after(_CLOSE_GRACE):
                     await self._stopped.wait()
-
-    # --- public API -------------------------------------------------------------------
 
     def events(self) -> MemoryObjectReceiveStream[ChannelEvent]:
         """The stream of events (bounded: ``max_events``). While it is full, readers
@@ -303,10 +223,10 @@ class ControlChannel:
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Accept peers on ``host:port`` (0: any free port); returns the port."""
-        if not self._hub.open:
+        if not self._open:
             raise ChannelClosed("the channel is not open")
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-        if self._hub.state is not OPEN:
+        if self._state is not OPEN:
             await anyio.aclose_forcefully(listener)
             raise ChannelClosed("the channel closed while it started listening")
         self._listeners.append(listener)
@@ -314,9 +234,9 @@ class ControlChannel:
         self._ports.append(actual)
         for sub in listener.listeners:
             if isinstance(sub, anyio.abc.SocketListener):
-                self._hub.spawn(self._links.accept_loop, sub)
+                self._spawn(self._accept_loop, sub)
             else:  # pragma: no cover - TCP listeners are socket listeners
-                self._hub.spawn(sub.serve, self._links.accept, self._hub.tg)
+                self._spawn(sub.serve, self._accept, self._tg)
         log.info("%s: listening on %s:%d", self.name, host, actual)
         return actual
 
@@ -329,14 +249,12 @@ class ControlChannel:
             raise ConfigError("host must be a non-empty str")
         if type(port) is not int or not 0 < port < 1 << 16:
             raise ConfigError(f"port must be an int in [1, 65535], got {port!r}")
-        if self._hub.state is CLOSED:
+        if self._state is CLOSED:
             raise ChannelClosed("the channel is closed")
-        p = self._peers.by_name.get(peer)
-        if p is None:
-            self._peers.add(peer, (host, port))
-        else:
-            p.route = (host, port)
-            p.notify_conn()
+        p = self._peers.get(peer) or self._add(peer)
+        p.link.route = (host, port)
+        if self._open:
+            self._apply(p, p.link.step(anyio.current_time(), Input.DIAL))
 
     def send_nowait(self, peer: str, message: ControlMessage) -> None:
         """Queue ``message`` for ``peer`` or raise: :class:`ChannelBusy` (queue full),
@@ -344,7 +262,7 @@ class ControlChannel:
         :class:`LocalProtocolError` (an invalid message)."""
         frame = self._codec.encode(message)
         p = self._sendable(peer)
-        p.outbox.put_nowait(frame, anyio.current_time(), self._max_age)
+        p.outbox.put_nowait(frame, anyio.current_time())
         p.wake.fire()
 
     async def send(self, peer: str, message: ControlMessage) -> None:
@@ -352,33 +270,34 @@ class ControlChannel:
         raises like :meth:`send_nowait` (:class:`ChannelBusy` after the wait)."""
         frame = self._codec.encode(message)
         p = self._sendable(peer)
-        deadline = anyio.current_time() + self._send_timeout
+        timeout = self.settings.send_timeout
+        deadline = anyio.current_time() + timeout
         while True:
             now = anyio.current_time()
             space = p.outbox.space.waiter()
             try:
-                p.outbox.put_nowait(frame, now, self._max_age)
+                p.outbox.put_nowait(frame, now)
             except ChannelBusy:
                 if now >= deadline:
                     raise ChannelBusy(
-                        f"send queue to {peer!r} stayed full for {self._send_timeout} s"
+                        f"send queue to {peer!r} stayed full for {timeout} s"
                     ) from None
             else:
                 p.wake.fire()
                 return
             # Wake when room is made, or when the oldest frame expires.
-            wait = min(deadline, p.outbox.next_expiry(self._max_age)) - now
+            wait = min(deadline, p.outbox.next_expiry()) - now
             with anyio.move_on_after(max(wait, 0.0) + 0.001):
                 await space.wait()
 
     def statistics(self) -> ChannelStatistics:
         """A frozen snapshot of the counters."""
-        hub, adm = self._hub, self._links.admission
-        peers = {p.name: p.statistics() for p in self._peers.by_name.values()}
-        events = 0 if hub.events is None else hub.events.statistics().current_buffer_used
+        adm = self._admission
+        peers = {p.name: p.statistics() for p in self._peers.values()}
+        events = 0 if self._events is None else self._events.statistics().current_buffer_used
         return ChannelStatistics(
-            name=hub.name,
-            open=hub.state is OPEN,
+            name=self.name,
+            open=self._state is OPEN,
             ports=tuple(self._ports),
             peers=MappingProxyType(peers),
             handshake_failures=sum(adm.refused.values()),
@@ -386,61 +305,223 @@ class ControlChannel:
             handshakes_waiting=len(adm.slots),
             handshakes_waiting_peak=adm.peak,
             garbage=self._garbage,
-            discarded=self._peers.discarded,
+            discarded=self._discarded,
             events_queued=events,
         )
 
     def _sendable(self, peer: str) -> Peer:
-        if self._hub.state is not OPEN:
+        if self._state is not OPEN:
             raise ChannelClosed("the channel is not open")
-        p = self._peers.by_name.get(peer)
+        p = self._peers.get(peer)
         if p is None:
             raise PeerUnreachable(f"no connection to {peer!r} and no route to it")
         return p
 
-    # --- per-peer task: dial (through the links), then drain the queue ---------------
+    def _add(self, name: str) -> Peer:
+        s = self.settings
+        delay = s.backoff.delay
+        link = Link(name, self.name, s.peer_lost_after, lambda n: delay(n, self._rng))
+        p = self._peers[name] = Peer(link, Outbox(s.max_queue, s.max_queue_bytes, s.max_age))
+        if self._open:
+            self._start(p)
+        return p
+
+    def _start(self, p: Peer) -> None:
+        self._spawn(self._run_peer, p, name=f"kvpush channel {self.name}->{p.name}")
+        self._spawn(self._run_timers, p)
+
+    def _apply(
+        self, p: Peer, effects: list[Effect], conn: Conn | None = None
+    ) -> list[ChannelEvent]:
+        """Carry out a link's effects (``conn``: the connection handed in); the
+        events to emit, in order. ``DIAL`` and ``SEND_PREAMBLE`` are the dialer's."""
+        events: list[ChannelEvent] = []
+        for effect in effects:
+            if effect is Effect.ADOPT and conn is not None:
+                p.conn = conn
+                p.connects += 1
+                log.info("%s: connected to %s (connection %#x)", self.name, p.name, conn.conn_id)
+            elif effect is Effect.REFUSE and conn is not None:
+                self._close(conn)
+            elif effect is Effect.CLOSE_OLD and p.conn is not None:
+                self._close(p.conn)
+            elif effect is Effect.REPORT_UP:
+                events.append(PeerConnected(p.name))
+            elif effect is Effect.REPORT_LOST:
+                events.append(self._lost(p))
+            elif effect is Effect.FORGET:
+                self._forget(p)
+        p.changed.fire()
+        p.wake.fire()
+        return events
+
+    def _lost(self, p: Peer) -> PeerLost:
+        n = p.outbox.clear()
+        reason = p.link.reason
+        log.warning("%s: peer %s lost (%s); %d frame(s) discarded", self.name, p.name, reason, n)
+        return PeerLost(p.name, reason)
+
+    def _forget(self, p: Peer) -> None:
+        if self._peers.get(p.name) is p:
+            del self._peers[p.name]
+        self._discarded += p.outbox.close(PeerUnreachable, f"peer {p.name!r} was lost")
+        p.scope.cancel()
+
+    def _drop(self, p: Peer, conn: Conn, reason: str) -> None:
+        """Close ``conn``; if it was the peer's connection, tell the link."""
+        if conn.scope.cancel_called:
+            return
+        self._close(conn)
+        if p.conn is not conn:
+            return
+        p.conn = None
+        if self._open:  # (otherwise every socket closes with the channel)
+            log.info("%s: connection to %s dropped: %s", self.name, p.name, reason)
+            self._apply(p, p.link.dropped(anyio.current_time(), reason))
+
+    def _close(self, conn: Conn) -> None:
+        conn.scope.cancel()
+        self._spawn(self._close_now, conn.stream)
+
+    async def _run_timers(self, p: Peer) -> None:
+        link = p.link
+        while link.state is not State.GONE:
+            changed = p.changed.waiter()
+            deadline = link.next_deadline()
+            wait = math.inf if deadline is None else deadline - anyio.current_time()
+            with anyio.move_on_after(wait):
+                await changed.wait()
+            now = anyio.current_time()
+            if deadline is not None and now >= deadline:
+                for event in self._apply(p, link.handle_timer(now)):
+                    await self._emit(event)
 
     async def _run_peer(self, p: Peer) -> None:
-        with anyio.CancelScope() as scope:
-            p.task_scope = scope
-            while not p.forgotten:
-                conn = p.active
-                if conn is not None:
-                    await self._drain(p, conn)
-                elif p.route is not None:
-                    await self._links.connect(p)
+        with p.scope:
+            while True:
+                wake = p.wake.waiter()
+                if p.conn is not None:
+                    await self._drain(p, p.conn)
+                elif p.link.state is State.DIALING:
+                    await self._dial(p)
                 else:
-                    changed = p.conn_changed.waiter()
-                    if p.active is None and p.route is None and not p.forgotten:
-                        await changed.wait()
+                    await wake.wait()
 
     async def _drain(self, p: Peer, conn: Conn) -> None:
-        while p.active is conn:
+        while p.conn is conn:
             wake = p.wake.waiter()
-            frames = p.outbox.take(anyio.current_time(), self._max_age)
+            frames = p.outbox.take(anyio.current_time())
             if not frames:
                 await wake.wait()
                 continue
             payload = b"".join(encode_frame(f) for f in frames)
+            timeout = self.settings.write_timeout
             try:
-                with anyio.fail_after(self._write_timeout):
+                with anyio.fail_after(timeout):
                     async with conn.lock:
                         await conn.stream.send(payload)
             except TimeoutError:
-                reason = f"write stalled for {self._write_timeout} s"
+                reason = f"write stalled for {timeout} s"
             except NET_ERRORS as exc:
                 reason = f"write failed: {exc!r}"
             else:
                 p.sent += len(frames)
                 continue
             p.write_failures += len(frames)
-            self._peers.drop(p, conn, reason)
+            self._drop(p, conn, reason)
 
-    # --- per-connection task: read until the connection ends -------------------------
+    async def _dial(self, p: Peer) -> None:
+        """One dial of the link's route: connect, preamble, ack."""
+        link, route = p.link, p.link.route
+        assert route is not None  # DIALING is entered with a route
+        conn_id = secrets.randbits(64) | 1
+        pre = Preamble(self.name, self._instance, conn_id, link.conn_id)
+        stream: anyio.abc.SocketStream | None = None
+        try:
+            with anyio.fail_after(self.settings.connect_timeout):
+                stream = await anyio.connect_tcp(*route)
+                self._adopt_socket(stream)
+                receiver = BufferedByteReceiveStream(stream)
+                self._apply(p, link.step(anyio.current_time(), Input.CONNECTED))
+                await write_frame(stream, seal(pre.encode(), self._codec))
+                frame = await read_frame(receiver, max_frame_bytes=MAX_HANDSHAKE_BYTES)
+                ack = Ack.decode(unseal(frame, self._codec))
+        except (*NET_ERRORS, RemoteProtocolError) as exc:
+            p.connect_failures += 1
+            log.debug("%s: dial %s at %s:%d failed: %r", self.name, p.name, *route, exc)
+            if stream is not None:
+                await self._close_now(stream)
+            self._apply(p, link.step(anyio.current_time(), Input.DIAL_FAILED))
+            return
+        except BaseException:
+            if stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._close_now(stream)
+            raise
+        ok = ack.name == p.name and ack.conn_id == conn_id
+        if not ok:
+            p.connect_failures += 1
+            log.warning(
+                "%s: %s:%d answered as %r (connection %#x), not %r",
+                *(self.name, *route, ack.name, ack.conn_id, p.name),
+            )
+        if not self._open:
+            await self._close_now(stream)
+            return
+        conn = Conn(stream, receiver, conn_id, ack.instance)
+        inp = Input.ACK_OK if ok else Input.ACK_BAD
+        now = anyio.current_time()
+        events = self._apply(p, link.step(now, inp, instance=ack.instance, conn_id=conn_id), conn)
+        if p.conn is conn:
+            self._spawn(self._read_loop, p, conn, events)
+
+    async def _accept_loop(self, listener: anyio.abc.SocketListener) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return
+            except OSError as exc:  # out of descriptors and the like: keep serving
+                log.warning("%s: accept failed: %r", self.name, exc)
+                await anyio.sleep(0.1)
+                continue
+            if not self._spawn(self._accept, stream):
+                await anyio.aclose_forcefully(stream)
+                return
+            # Let the connections accepted so far read their preamble before
+            # the next accept can evict them (a backlog drains one per turn).
+            await anyio.lowlevel.checkpoint()
+
+    async def _accept(self, stream: anyio.abc.SocketStream) -> None:
+        """One accepted connection, from its preamble to its end."""
+        self._adopt_socket(stream)
+        got = await self._admission.preamble(stream, self._codec)
+        if got is None or not self._open:
+            await self._close_now(stream)
+            return
+        hello, receiver = got
+        p = self._peers.get(hello.name) or self._add(hello.name)
+        conn = Conn(stream, receiver, hello.conn_id, hello.instance)
+        conn.lock.acquire_nowait()  # the ack goes first
+        now = anyio.current_time()
+        effects = p.link.inbound(now, hello.instance, hello.conn_id, hello.supersedes)
+        events = self._apply(p, effects, conn)
+        if p.conn is not conn:
+            log.debug("%s: refused %s's dial (%s)", self.name, p.name, p.link.state.name)
+            return
+        try:
+            with anyio.fail_after(self.settings.connect_timeout):
+                ack = Ack(self.name, self._instance, hello.conn_id).encode()
+                await write_frame(stream, seal(ack, self._codec))
+        except NET_ERRORS as exc:
+            self._drop(p, conn, f"ack failed: {exc!r}")
+        finally:
+            conn.lock.release()
+        await self._read_loop(p, conn, events)
 
     async def _read_loop(self, p: Peer, conn: Conn, events: list[ChannelEvent]) -> None:
-        """Emit ``events`` (the install's), then deliver frames until the connection ends."""
-        emit = self._hub.emit
+        """Emit ``events`` (the adoption's), then deliver frames until the connection ends."""
+        emit, idle = self._emit, self.settings.idle_timeout
         reason = "closed by peer"
         framing: FramingError | None = None
         limit = self._codec.limits.max_frame_bytes
@@ -450,11 +531,8 @@ class ControlChannel:
                 await emit(event)
             with conn.scope:
                 while True:
-                    if self._idle_timeout is None:
+                    with anyio.fail_after(math.inf if idle is None else idle):
                         frame = await read_frame(conn.receiver, max_frame_bytes=limit)
-                    else:
-                        with anyio.fail_after(self._idle_timeout):
-                            frame = await read_frame(conn.receiver, max_frame_bytes=limit)
                     try:
                         message = self._codec.decode(frame)
                     except RemoteProtocolError as exc:
@@ -466,13 +544,13 @@ class ControlChannel:
             framing = exc
             reason = f"framing error: {exc}"
         except TimeoutError:
-            reason = f"nothing received for {self._idle_timeout} s"
+            reason = f"nothing received for {idle} s"
         except (anyio.EndOfStream, anyio.IncompleteRead):
             reason = "closed by peer"
         except NET_ERRORS as exc:
             reason = f"connection error: {exc!r}"
         finally:
-            self._peers.drop(p, conn, reason)
+            self._drop(p, conn, reason)
         if framing is not None:
             await emit(self._garbage_from(p, framing))
 
@@ -481,3 +559,34 @@ class ControlChannel:
         self._garbage += 1
         log.warning("%s: garbage from %s: %s", self.name, p.name, exc)
         return Garbage(p.name, exc)
+
+    def _spawn(
+        self, fn: Callable[..., Coroutine[Any, Any, object]], *args: object, name: str | None = None
+    ) -> bool:
+        """Run ``fn(*args)`` in the channel's task group; ``False`` if it is not open."""
+        if self._tg is None or self._state is not OPEN:
+            return False
+        self._tg.start_soon(fn, *args, name=name)
+        return True
+
+    def _adopt_socket(self, stream: anyio.abc.SocketStream) -> None:
+        """Track a new socket (closed at the latest with the channel) and give it
+        ``TCP_USER_TIMEOUT = max_age`` where the platform has it."""
+        self._sockets.add(stream)
+        sock = stream.extra(SocketAttribute.raw_socket, None)
+        opt = getattr(socket, "TCP_USER_TIMEOUT", None)
+        if sock is not None and opt is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, opt, max(1, round(self.max_age * 1000)))
+
+    async def _close_now(self, stream: anyio.abc.SocketStream) -> None:
+        self._sockets.discard(stream)
+        await anyio.aclose_forcefully(stream)
+
+    async def _emit(self, event: ChannelEvent) -> None:
+        if self._events is None:
+            return
+        try:
+            await self._events.send(event)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            log.debug("%s: event dropped (events closed): %r", self.name, event)

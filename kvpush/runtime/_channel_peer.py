@@ -1,14 +1,14 @@
-"""The control channel's peers (:class:`Peers`: the table, and each peer's
-connection, :class:`PeerConnected` and :class:`PeerLost`), and the
-:class:`Hub` (state, tasks, sockets, events) that the channel's parts share."""
+"""The control channel's records: each peer's (:class:`Peer`: its
+:class:`~._link.Link`, queue, connection and counters) and the connections
+that have not sent their preamble yet (:class:`Admission`, bounded per source
+address and in all: :mod:`._channel`, "Admission"). The channel owns them all.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import socket
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,22 +17,15 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
-from anyio.streams.memory import MemoryObjectSendStream
 
-from kvpush.protocol import KvpushError
+from kvpush.protocol import AuthenticationError, Codec, KvpushError, RemoteProtocolError
 
-from ._channel_types import (
-    ChannelBusy,
-    ChannelClosed,
-    ChannelEvent,
-    PeerConnected,
-    PeerLost,
-    PeerStatistics,
-    PeerUnreachable,
-)
+from ._channel_types import ChannelBusy, ChannelSettings, PeerStatistics
+from ._framing import MAX_HANDSHAKE_BYTES, FramingError, Preamble, read_frame, unseal
+from ._link import Link
 
-#: The interface the channel and its links use (the package exports none of it).
-__all__ = ("CLOSED", "NET_ERRORS", "NEW", "OPEN", "Conn", "Hub", "Outbox", "Peer", "Peers")
+#: The interface the channel uses (the package exports none of it).
+__all__ = ("NET_ERRORS", "Admission", "Conn", "Outbox", "Peer", "Signal", "Slot")
 
 log = logging.getLogger("kvpush.runtime.channel")
 
@@ -47,73 +40,13 @@ NET_ERRORS = (
     anyio.ClosedResourceError,
 )
 
-NEW, OPEN, CLOSED = "new", "open", "closed"
 
-
-@dataclass(eq=False, repr=False)
-class Hub:
-    """What the channel's parts share: its state, task group, sockets and events."""
-
-    name: str
-    max_age: float
-    state: str = NEW
-    tg: anyio.abc.TaskGroup | None = None
-    sockets: set[anyio.abc.SocketStream] = field(default_factory=set)
-    events: MemoryObjectSendStream[ChannelEvent] | None = None
-
-    @property
-    def open(self) -> bool:
-        return self.state is OPEN and self.tg is not None
-
-    def spawn(
-        self, fn: Callable[..., Coroutine[Any, Any, object]], *args: object, name: str | None = None
-    ) -> None:
-        """Run ``fn(*args)`` in the channel's task group; :class:`ChannelClosed` if not open."""
-        if self.tg is None or self.state is not OPEN:
-            raise ChannelClosed("the channel is not open")
-        self.tg.start_soon(fn, *args, name=name)
-
-    def adopt(self, stream: anyio.abc.SocketStream) -> None:
-        """Track a new socket (closed at the latest with the channel) and give it
-        ``TCP_USER_TIMEOUT = max_age`` where the platform has it."""
-        self.sockets.add(stream)
-        sock = stream.extra(SocketAttribute.raw_socket, None)
-        opt = getattr(socket, "TCP_USER_TIMEOUT", None)
-        if sock is not None and opt is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, opt, max(1, round(self.max_age * 1000)))
-
-    async def close_now(self, stream: anyio.abc.SocketStream) -> None:
-        self.sockets.discard(stream)
-        await anyio.aclose_forcefully(stream)
-
-    async def emit(self, event: ChannelEvent) -> None:
-        if self.events is None:
-            return
-        try:
-            await self.events.send(event)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            log.debug("%s: event dropped (events closed): %r", self.name, event)
-
-    async def close(self) -> None:
-        """Cancel every task, close every socket and end the event stream."""
-        if self.tg is not None:
-            self.tg.cancel_scope.cancel()
-        for stream in list(self.sockets):
-            await anyio.aclose_forcefully(stream)
-        self.sockets.clear()
-        if self.events is not None:
-            self.events.close()
-
-
+@dataclass(eq=False, slots=True)
 class Signal:
     """Wake-ups without a level: ``waiter()`` returns an event set by the next ``fire()``.
     Take the waiter before checking the condition, then wait: nothing is missed."""
 
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event: anyio.Event | None = None
+    _event: anyio.Event | None = None
 
     def fire(self) -> None:
         if self._event is not None:
@@ -126,72 +59,64 @@ class Signal:
         return self._event
 
 
+@dataclass(eq=False, slots=True)
 class Outbox:
-    """A peer's bounded FIFO of (enqueue time, frame)."""
+    """A peer's bounded FIFO of (enqueue time, frame); a frame older than
+    ``max_age`` is dropped, never sent late."""
 
-    __slots__ = (
-        "_closed",
-        "_items",
-        "_max_bytes",
-        "_max_items",
-        "discarded",
-        "dropped_old",
-        "nbytes",
-        "space",
-    )
-
-    def __init__(self, max_items: int, max_bytes: int) -> None:
-        self._items: deque[tuple[float, bytes]] = deque()
-        self._max_items = max_items
-        self._max_bytes = max_bytes
-        self._closed: tuple[type[KvpushError], str] | None = None
-        self.nbytes = 0
-        self.dropped_old = 0
-        self.discarded = 0
-        self.space = Signal()
+    max_items: int
+    max_bytes: int
+    max_age: float
+    items: deque[tuple[float, bytes]] = field(default_factory=deque)
+    #: Set by :meth:`close`: every later put raises ``cls(why)``.
+    closed: tuple[type[KvpushError], str] | None = None
+    nbytes: int = 0
+    dropped_old: int = 0
+    discarded: int = 0
+    space: Signal = field(default_factory=Signal)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.items)
 
     def _fits(self, n: int) -> bool:
-        if not self._items:
+        if not self.items:
             return True
-        return len(self._items) < self._max_items and self.nbytes + n <= self._max_bytes
+        return len(self.items) < self.max_items and self.nbytes + n <= self.max_bytes
 
-    def put_nowait(self, frame: bytes, now: float, max_age: float) -> None:
-        if self._closed is not None:
-            cls, why = self._closed
+    def put_nowait(self, frame: bytes, now: float) -> None:
+        if self.closed is not None:
+            cls, why = self.closed
             raise cls(why)
         if not self._fits(len(frame)):
-            self.expire(now, max_age)
+            self.expire(now)
             if not self._fits(len(frame)):
-                raise ChannelBusy(f"send queue full ({len(self._items)} frames, {self.nbytes} B)")
-        self._items.append((now, frame))
+                raise ChannelBusy(f"send queue full ({len(self.items)} frames, {self.nbytes} B)")
+        self.items.append((now, frame))
         self.nbytes += len(frame)
 
-    def next_expiry(self, max_age: float) -> float:
-        return self._items[0][0] + max_age if self._items else math.inf
+    def next_expiry(self) -> float:
+        return self.items[0][0] + self.max_age if self.items else math.inf
 
     def _pop(self) -> bytes:
-        _, frame = self._items.popleft()
+        _, frame = self.items.popleft()
         self.nbytes -= len(frame)
         return frame
 
-    def expire(self, now: float, max_age: float) -> None:
+    def expire(self, now: float) -> None:
         n = 0
-        while self._items and now - self._items[0][0] > max_age:
+        while self.items and now - self.items[0][0] > self.max_age:
             self._pop()
             n += 1
         if n:
             self.dropped_old += n
             self.space.fire()
 
-    def take(self, now: float, max_age: float) -> list[bytes]:
+    def take(self, now: float) -> list[bytes]:
         """Drop expired frames, then pop a batch (at least one frame if any)."""
-        self.expire(now, max_age)
+        self.expire(now)
         out: list[bytes] = []
         size = 0
-        while self._items and (not out or size + len(self._items[0][1]) <= BATCH_BYTES):
+        while self.items and (not out or size + len(self.items[0][1]) <= BATCH_BYTES):
             frame = self._pop()
             out.append(frame)
             size += len(frame)
@@ -200,8 +125,8 @@ class Outbox:
         return out
 
     def clear(self) -> int:
-        n = len(self._items)
-        self._items.clear()
+        n = len(self.items)
+        self.items.clear()
         self.nbytes = 0
         self.discarded += n
         self.space.fire()
@@ -209,8 +134,8 @@ class Outbox:
 
     def close(self, cls: type[KvpushError], why: str) -> int:
         """Refuse every later put (waiters wake and raise ``cls(why)``)."""
-        if self._closed is None:
-            self._closed = (cls, why)
+        if self.closed is None:
+            self.closed = (cls, why)
         return self.clear()
 
 
@@ -222,37 +147,26 @@ class Conn:
     receiver: BufferedByteReceiveStream
     conn_id: int
     instance: int
-    closed: bool = False
     #: Held by whoever writes (the ack, then the writer's batches).
     lock: anyio.Lock = field(default_factory=anyio.Lock)
-    #: Cancels the reader when the connection is dropped.
+    #: Cancels the reader when the connection is dropped (or refused): closed.
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
 @dataclass(eq=False, slots=True)
 class Peer:
-    """Everything known about one peer."""
+    """Everything the channel holds for one peer; its state is the link's."""
 
-    name: str
-    route: tuple[str, int] | None
+    link: Link
     outbox: Outbox
-    active: Conn | None = None
-    #: The conn id of our dial in flight, if any.
-    pending: int | None = None
-    instance: int | None = None
-    last_conn_id: int = 0
-    up: bool = False
-    down_reason: str = ""
-    #: Bumped on every install: a loss timer of an older generation is void.
-    gen: int = 0
-    loss_armed: bool = False
-    loss_scope: anyio.CancelScope | None = None
-    task_scope: anyio.CancelScope | None = None
-    forgotten: bool = False
-    #: Anything changed: data queued, connection, route.
+    #: The adopted connection: set exactly while the link is UP (and open).
+    conn: Conn | None = None
+    #: The peer's writer (and dialer); cancelled when the peer is forgotten.
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    #: Anything changed: data queued, or the link.
     wake: Signal = field(default_factory=Signal)
-    #: The connection or the route changed.
-    conn_changed: Signal = field(default_factory=Signal)
+    #: The link changed (its timers).
+    changed: Signal = field(default_factory=Signal)
     sent: int = 0
     received: int = 0
     garbage: int = 0
@@ -260,16 +174,16 @@ class Peer:
     connects: int = 0
     connect_failures: int = 0
 
-    def notify_conn(self) -> None:
-        self.conn_changed.fire()
-        self.wake.fire()
+    @property
+    def name(self) -> str:
+        return self.link.name
 
     def statistics(self) -> PeerStatistics:
         box = self.outbox
         return PeerStatistics(
-            connected=self.active is not None,
-            up=self.up,
-            route=self.route,
+            connected=self.conn is not None,
+            up=self.link.up,
+            route=self.link.route,
             queued=len(box),
             queued_bytes=box.nbytes,
             sent=self.sent,
@@ -284,112 +198,123 @@ class Peer:
         )
 
 
+@dataclass(eq=False, slots=True)
+class Slot:
+    """One accepted connection waiting for its preamble."""
+
+    source: str
+    #: Cancelled at the preamble deadline, or to evict the connection.
+    scope: anyio.CancelScope
+    evicted: str = ""
+
+
 @dataclass(eq=False, repr=False)
-class Peers:
-    """The peer table. Each peer gets one task, ``run(peer)`` (the channel's
-    writer, which dials through the links), from when it is added (or the
-    channel opens) until it is forgotten."""
+class Admission:
+    """The connections waiting for their preamble, bounded per source and in
+    all (see the module docs), and the rate-limited log of refusals."""
 
-    hub: Hub
-    run: Callable[[Peer], Coroutine[Any, Any, None]]
-    max_queue: int
-    max_queue_bytes: int
-    lost_after: float
-    by_name: dict[str, Peer] = field(default_factory=dict)
-    #: Frames discarded unsent with their peer forgotten, or at close.
-    discarded: int = 0
+    #: This channel's name, and how it runs the log's flush (``False``: it is closed).
+    name: str
+    spawn: Callable[[Callable[[], Coroutine[Any, Any, None]]], bool]
+    settings: ChannelSettings
+    #: Every waiting slot, oldest first; and per source, oldest first.
+    slots: dict[Slot, None] = field(default_factory=dict)
+    by_source: dict[str, dict[Slot, None]] = field(default_factory=dict)
+    #: Refusals ever, by reason; and those not yet logged.
+    refused: Counter[str] = field(default_factory=Counter)
+    unlogged: Counter[str] = field(default_factory=Counter)
+    next_log: float = -1.0
+    flush_armed: bool = False
+    peak: int = 0
 
-    def add(self, name: str, route: tuple[str, int] | None) -> Peer:
-        p = Peer(name, route, Outbox(self.max_queue, self.max_queue_bytes))
-        self.by_name[name] = p
-        if self.hub.open:
-            self.start(p)
-        return p
+    def enter(self, source: str, now: float) -> Slot:
+        """A slot for a connection from ``source`` (making room first)."""
+        mine = self.by_source.setdefault(source, {})
+        if len(mine) >= self.settings.max_handshakes_per_source:
+            self.evict(next(iter(mine)), "evicted_source")
+        elif len(self.slots) >= self.settings.max_handshakes:
+            most = max(len(v) for v in self.by_source.values())
+            oldest = next(s for s in self.slots if len(self.by_source[s.source]) == most)
+            self.evict(oldest, "evicted_full")
+        slot = Slot(source, anyio.CancelScope(deadline=now + self.settings.preamble_timeout))
+        mine[slot] = None
+        self.slots[slot] = None
+        self.peak = max(self.peak, len(self.slots))
+        return slot
 
-    def start(self, p: Peer) -> None:
-        self.hub.spawn(self.run, p, name=f"kvpush channel {self.hub.name}->{p.name}")
+    def evict(self, slot: Slot, reason: str) -> None:
+        slot.evicted = reason
+        self.leave(slot)
+        slot.scope.cancel()
 
-    def close(self) -> None:
-        """At channel close: every queue refuses further frames, its frames discarded."""
-        for p in self.by_name.values():
-            n = p.outbox.close(ChannelClosed, "the channel is closed")
-            self.discarded += n
-            if n:
-                log.info("%s: discarded %d frame(s) to %s at close", self.hub.name, n, p.name)
+    def leave(self, slot: Slot) -> None:
+        """Free the slot (no-op if it was evicted already)."""
+        if slot not in self.slots:
+            return
+        del self.slots[slot]
+        mine = self.by_source[slot.source]
+        del mine[slot]
+        if not mine:
+            del self.by_source[slot.source]
 
-    def _forget(self, p: Peer) -> None:
-        p.forgotten = True
-        if self.by_name.get(p.name) is p:
-            del self.by_name[p.name]
-        self.discarded += p.outbox.close(PeerUnreachable, f"peer {p.name!r} was lost")
-        if p.task_scope is not None:
-            p.task_scope.cancel()
-        p.notify_conn()
+    def refuse(self, reason: str) -> None:
+        """Count a refusal; log it now, or with the next line of counts."""
+        now = anyio.current_time()
+        self.refused[reason] += 1
+        self.unlogged[reason] += 1
+        if now >= self.next_log:
+            self.log_line(now)
+        elif not self.flush_armed:
+            self.flush_armed = self.spawn(self._flush)
 
-    def _lose(self, p: Peer, reason: str, *, forget: bool) -> PeerLost:
-        p.up = False
-        n = p.outbox.clear()
+    async def _flush(self) -> None:
+        try:
+            await anyio.sleep(max(0.0, self.next_log - anyio.current_time()))
+        finally:
+            self.flush_armed = False
+        self.log_line(anyio.current_time())
+
+    def log_line(self, now: float) -> None:
+        """Log the refusals not yet logged, as one line."""
+        if not self.unlogged:
+            return
+        n = sum(self.unlogged.values())
+        why = ", ".join(f"{k} {v}" for k, v in sorted(self.unlogged.items()))
         log.warning(
-            "%s: peer %s lost (%s); %d frame(s) discarded", self.hub.name, p.name, reason, n
+            "%s: refused %d connection(s) before their preamble (%s); %d waiting now",
+            self.name,
+            n,
+            why,
+            len(self.slots),
         )
-        if forget and p.route is None:
-            self._forget(p)
-        return PeerLost(p.name, reason)
+        self.unlogged.clear()
+        self.next_log = now + self.settings.refusal_log_interval
 
-    def install(self, p: Peer, conn: Conn) -> list[ChannelEvent]:
-        """Make ``conn`` the peer's connection (closing any other); the events to emit."""
-        events: list[ChannelEvent] = []
-        old = p.active
-        p.active = conn
-        if old is not None:
-            self.drop(p, old, "replaced")
-        if p.up and p.instance is not None and p.instance != conn.instance:
-            events.append(self._lose(p, "peer restarted", forget=False))
-        p.instance = conn.instance
-        p.last_conn_id = conn.conn_id
-        p.gen += 1
-        p.loss_armed = False
-        if p.loss_scope is not None:
-            p.loss_scope.cancel()
-            p.loss_scope = None
-        p.connects += 1
-        if not p.up:
-            p.up = True
-            events.append(PeerConnected(p.name))
-        log.info("%s: connected to %s (connection %#x)", self.hub.name, p.name, conn.conn_id)
-        p.notify_conn()
-        return events
-
-    def drop(self, p: Peer, conn: Conn, reason: str) -> None:
-        """Close ``conn``; if it was the peer's connection, the peer is down."""
-        if conn.closed:
-            return
-        conn.closed = True
-        conn.scope.cancel()
-        if self.hub.open:  # (otherwise the hub closes every socket with the channel)
-            self.hub.spawn(self.hub.close_now, conn.stream)
-        if p.active is not conn:
-            return
-        p.active = None
-        p.down_reason = reason
-        if not self.hub.open:
-            return
-        log.info("%s: connection to %s dropped: %s", self.hub.name, p.name, reason)
-        p.notify_conn()
-        if p.up and not p.loss_armed:
-            p.loss_armed = True
-            self.hub.spawn(self._watch_loss, p, p.gen)
-
-    async def _watch_loss(self, p: Peer, gen: int) -> None:
-        if p.gen != gen:
-            return
-        with anyio.CancelScope() as scope:
-            p.loss_scope = scope
-            await anyio.sleep(self.lost_after)
-        if p.gen != gen or p.loss_scope is not scope:
-            return
-        p.loss_scope = None
-        p.loss_armed = False
-        if p.active is not None or not p.up:
-            return
-        await self.hub.emit(self._lose(p, p.down_reason, forget=True))
+    async def preamble(
+        self, stream: anyio.abc.SocketStream, codec: Codec
+    ) -> tuple[Preamble, BufferedByteReceiveStream] | None:
+        """Read an accepted connection's preamble under a slot; ``None``: refused (counted)."""
+        address = stream.extra(SocketAttribute.remote_address, "?")
+        source = str(address[0] if isinstance(address, tuple) else address)  # the host
+        slot = self.enter(source, anyio.current_time())
+        receiver = BufferedByteReceiveStream(stream)
+        hello: Preamble | None = None
+        try:
+            with slot.scope:
+                frame = await read_frame(receiver, max_frame_bytes=MAX_HANDSHAKE_BYTES)
+                hello = Preamble.decode(unseal(frame, codec))
+            reason = slot.evicted or "timeout"
+            if hello is not None and hello.name == self.name:
+                hello, reason = None, "own_name"
+        except AuthenticationError:
+            reason = "unauthenticated"
+        except (FramingError, RemoteProtocolError):
+            reason = "malformed"
+        except NET_ERRORS:
+            reason = "closed"
+        finally:
+            self.leave(slot)
+        if hello is None:
+            self.refuse(reason)
+            return None
+        return hello, receiver

@@ -1,8 +1,7 @@
-"""The control channel's public values: errors, events, statistics, backoff."""
+"""The control channel's public values: errors, settings, events, statistics."""
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,6 +12,9 @@ from kvpush.protocol import (
     ControlMessage,
     KvpushError,
     RemoteProtocolError,
+    Timing,
+    check_options,
+    option,
 )
 
 __all__ = (
@@ -20,6 +22,7 @@ __all__ = (
     "ChannelBusy",
     "ChannelClosed",
     "ChannelEvent",
+    "ChannelSettings",
     "ChannelStatistics",
     "Garbage",
     "PeerConnected",
@@ -43,28 +46,22 @@ class PeerUnreachable(KvpushError):
     """No connection to the peer and no route to dial it (or it was lost)."""
 
 
-# --- configuration, events, statistics ------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Backoff:
     """Delays between dials: ``initial * factor**n`` capped at ``maximum``, each
     scaled by a uniform factor in ``[1 - jitter, 1 + jitter]``."""
 
-    initial: float = 0.05
-    maximum: float = 2.0
-    factor: float = 2.0
-    jitter: float = 0.1
+    initial: float = option(0.05, "the first delay", unit="s", above=0)
+    maximum: float = option(2.0, "the largest delay", unit="s", above=0)
+    factor: float = option(2.0, "growth per failed dial", low=1)
+    jitter: float = option(0.1, "random spread, a fraction below 1", low=0)
 
     def __post_init__(self) -> None:
-        positive("backoff initial", self.initial)
-        positive("backoff maximum", self.maximum)
+        check_options(self)
         if self.maximum < self.initial:
             raise ConfigError("backoff maximum must be >= initial")
-        if not isinstance(self.factor, (int, float)) or not 1 <= self.factor < math.inf:
-            raise ConfigError(f"backoff factor must be finite and >= 1, got {self.factor!r}")
-        if not isinstance(self.jitter, (int, float)) or not 0 <= self.jitter < 1:
-            raise ConfigError(f"backoff jitter must be in [0, 1), got {self.jitter!r}")
+        if self.jitter >= 1:
+            raise ConfigError(f"jitter must be a number in [0, 1), got {self.jitter!r}")
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         """The pause after failed attempt number ``attempt`` (0 for the first)."""
@@ -72,6 +69,34 @@ class Backoff:
         while n < attempt and base < self.maximum and self.factor > 1:
             base, n = base * self.factor, n + 1
         return min(base, self.maximum) * (1.0 + self.jitter * rng.uniform(-1.0, 1.0))
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSettings:
+    """A :class:`ControlChannel`'s settings (its module docs say what each bounds)."""
+
+    max_queue: int = option(1024, "frames queued per peer", low=1)
+    max_queue_bytes: int = option(64 << 20, "bytes queued per peer", unit="bytes", low=1)
+    send_timeout: float = option(5.0, "how long send() waits for room", unit="s", above=0)
+    connect_timeout: float = option(2.0, "a dial's limit, ack included", unit="s", above=0)
+    write_timeout: float = option(10.0, "a write stalled this long drops", unit="s", above=0)
+    backoff: Backoff = option(Backoff(), "delays between dials", cli=False)
+    peer_lost_after: float = option(5.0, "no connection this long: PeerLost", unit="s", above=0)
+    #: Half the protocol's ``max_transit``: the receiving pump's ``stall_limit`` is the other.
+    max_age: float = option(Timing().max_transit / 2, "a frame's age limit", unit="s", above=0)
+    max_events: int = option(1024, "events waiting to be read", low=1)
+    idle_timeout: float | None = option(None, "silence that drops a connection", unit="s", above=0)
+    max_handshakes: int = option(64, "connections awaiting their preamble", low=1)
+    max_handshakes_per_source: int = option(16, "of them from one address", low=1)
+    preamble_timeout: float = option(1.0, "a preamble's limit", unit="s", above=0)
+    refusal_log_interval: float = option(10.0, "one log line of refusals per", unit="s", above=0)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backoff, Backoff):
+            raise ConfigError(f"backoff must be a Backoff, got {type(self.backoff).__name__}")
+        check_options(self)
+        if self.max_handshakes_per_source > self.max_handshakes:
+            raise ConfigError("max_handshakes_per_source must be <= max_handshakes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +174,8 @@ class ChannelStatistics:
     #: Connections dropped before they named a peer (bad preamble, timeout,
     #: evicted, our own name): the sum of ``handshake_refusals``.
     handshake_failures: int
-    #: Those refusals by reason: ``timeout``, ``evicted_source``,
-    #: ``evicted_full``, ``closed``, ``malformed``, ``unauthenticated``,
-    #: ``own_name`` (only reasons that happened appear).
+    #: Those refusals by reason (only reasons that happened appear; the
+    #: reasons: docs/runtime.md, "Connections before their preamble").
     handshake_refusals: Mapping[str, int]
     #: Connections waiting for their preamble now, and at most at once.
     handshakes_waiting: int
@@ -161,14 +185,6 @@ class ChannelStatistics:
     #: Frames discarded unsent with their peer forgotten, or at close.
     discarded: int
     events_queued: int
-
-
-# --- validation the channel shares (not exported) -----------------------------------
-
-
-def positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
 
 
 def check_name(what: str, name: object) -> str:

@@ -1,34 +1,14 @@
 """The background data-plane thread: plan, post and poll writes and reads.
 
-The protocol core emits :class:`StartWrite` / :class:`StartRead`; the runtime
-hands them to a :class:`DataPlane`, whose own thread turns each into a merged
-plan (:class:`TransferPlanner`, cached per rank pair), posts it on the right
-rank's :class:`Transport` (by index into lists prepared once per route when
-the transport is a :class:`PreppedTransport` that prefers it for the plan,
-else as merged descriptor rows), and polls every transport continuously (a target
-that stops polling stalls its producers). Results go back through
-``on_results``, called from the data-plane thread, so the caller's thread only
-ever pays O(1) per request: an append to a queue.
-
-Time: ``not_after`` deadlines are on ``time.monotonic()``, the clock asyncio's
-loop (and so anyio's ``current_time()``) runs on. The thread stamps each op on
-that clock (:class:`~kvpush.protocol.OpStamps`: planning started and done,
-posted, seen settled) and each notice when it polled it; the stamps ride with
-the results into the core, for the timeline.
-
-Senders. A notice arrives from a transport agent; the data plane names the
-peer whose handshake introduced that agent (:attr:`NoticeIn.peer`, ``None`` for
-an agent no handshake introduced), and the core counts a notice only for a
-reservation registered with that peer. An agent name another peer already
-claimed is refused (the later peer is unusable, logged).
-
-Fences. On a GPU the forward only *queues* the kernels that write a step's
-KV; the connector hears of the step before they have run. An action may be
-submitted ``after`` a :class:`Fence` (a CUDA event recorded on the forward's
-stream): the thread posts it only once the fence reports done, polling it
-without blocking (the forward's thread never synchronizes), in submission
-order, and fails it like any op whose lease ran out if the fence is still
-pending at ``not_after``. docs/runtime.md, "The GPU ordering rule".
+The runtime hands the core's :class:`StartWrite` / :class:`StartRead` to a
+:class:`DataPlane`, whose own thread plans each (:class:`TransferPlanner`,
+cached per route), posts it on the right rank's :class:`Transport`, polls
+every transport and hands the results back through ``on_results``: the
+caller's thread pays one queue put. ``not_after`` and every stamp
+(:class:`~kvpush.protocol.OpStamps`) are on ``time.monotonic()``, the clock
+anyio's loop runs on. Why it polls as it does, and the rules for notices'
+senders and for fences: docs/runtime.md ("Where a handoff's time goes",
+"Notices are bound to their sender", "The GPU ordering rule").
 """
 
 from __future__ import annotations
@@ -59,14 +39,19 @@ from kvpush.protocol import (
     StartWrite,
 )
 
-from ._plan import TransferPlanner
+from ._plan import TransferPlan, TransferPlanner
 from ._stage import Copier, CostModel
 from ._stager import Stager
-from ._transport import PreppedTransport, Transport
+from ._transport import Completed, PreppedTransport, Transport
 
 __all__ = ("DataPlane", "Fence", "NoticeIn", "OpResult", "PeerRanks", "Rank")
 
 log = logging.getLogger("kvpush.dataplane")
+
+#: The naps while an op is posted, and for ``busy_for`` after any command or
+#: result (:meth:`DataPlane._nap`).
+INFLIGHT_POLL_INTERVAL = 0.00002
+BUSY_POLL_INTERVAL = 0.00005
 
 
 class Fence(Protocol):
@@ -123,13 +108,9 @@ Result = OpResult | NoticeIn
 class DataPlane:
     """Owns the local ranks' transports and the thread that drives them.
 
-    After a poll that brought nothing the thread waits for a command for
-    ``inflight_poll_interval`` seconds while an op is posted,
-    ``busy_poll_interval`` for ``busy_for`` seconds after any command or
-    result, ``poll_interval`` while transfers are expected (:meth:`expect`:
-    bytes or notices may arrive from a peer), and otherwise until the next
-    command, polling nothing (see :meth:`_nap`); each interval is capped by
-    the one after it. ``polls`` counts the passes that polled."""
+    Its public methods may be called from any thread; the rest run on its
+    thread. The poll intervals: :meth:`_nap` (each is capped by the one
+    after it). ``polls`` counts the passes that polled."""
 
     def __init__(
         self,
@@ -137,32 +118,24 @@ class DataPlane:
         ranks: Mapping[int, Rank],
         tp: int,
         codec: Codec,
-        on_results: Callable[[list[Result]], None] | None = None,
         *,
         poll_interval: float = 0.0002,
-        busy_poll_interval: float = 0.00005,
-        inflight_poll_interval: float = 0.00002,
         busy_for: float = 0.05,
         expecting: bool = True,
         copier: Copier | None = None,
         costs: CostModel | None = None,
     ) -> None:
-        for name, value in (
-            ("poll_interval", poll_interval),
-            ("busy_poll_interval", busy_poll_interval),
-            ("inflight_poll_interval", inflight_poll_interval),
-            ("busy_for", busy_for),
-        ):
+        for name, value in (("poll_interval", poll_interval), ("busy_for", busy_for)):
             if not 0 <= value < math.inf:
                 raise KvpushError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         self.role = role
         self.ranks = dict(ranks)
         self.tp = tp
         self.codec = codec
-        self._on_results: Callable[[list[Result]], None] = on_results or _unbound
+        self._on_results: Callable[[list[Result]], None] = _unbound
         self._poll_interval = poll_interval
-        self._busy_poll_interval = min(busy_poll_interval, poll_interval)
-        self._inflight_poll_interval = min(inflight_poll_interval, self._busy_poll_interval)
+        self._busy_poll_interval = min(BUSY_POLL_INTERVAL, poll_interval)
+        self._inflight_poll_interval = min(INFLIGHT_POLL_INTERVAL, self._busy_poll_interval)
         self._busy_for = busy_for
         self._busy_until = 0.0  # poll at the busy interval until then (monotonic)
         #: Transfers to or from a peer may be under way (:meth:`expect`).
@@ -208,8 +181,6 @@ class DataPlane:
         for rank in self.ranks.values():
             rank.transport.register(rank.layout)
 
-    # --- called from any thread ----------------------------------------------
-
     def start(self) -> None:
         if self._thread is not None:
             raise KvpushError("data plane already started")
@@ -222,7 +193,7 @@ class DataPlane:
 
     def submit(self, action: StartWrite | StartRead, after: Fence | None = None) -> None:
         """Queue an action, to be posted once ``after`` is done; O(1), never blocks."""
-        self._inbox.put(("op", action) if after is None else ("fenced", (action, after)))
+        self._inbox.put(("op", (action, after)))
 
     def cancel(self, cancel: Cancel) -> None:
         """Queue the core's ``Cancel`` of an op it handed over ``op_bound``
@@ -239,10 +210,8 @@ class DataPlane:
     def expect(self, expecting: bool) -> None:
         """Whether a peer may be moving bytes to or from our ranks now (a
         registration or a held source is open): then the thread polls every
-        ``poll_interval`` even with no op of its own posted, since a NIXL
-        target that does not poll stalls the peer's op and never sees its
-        notice. Without it, and with nothing posted, the thread sleeps until
-        the next command. A change only (repeats cost nothing)."""
+        ``poll_interval`` even with nothing of its own posted (a NIXL target
+        that does not poll stalls the peer); repeats cost nothing."""
         if expecting != self._expect_sent:
             self._expect_sent = expecting
             self._inbox.put(("expect", expecting))
@@ -287,21 +256,13 @@ class DataPlane:
         for slot, _ in self._borrowed.values():
             self.stager.settled(slot)
         self._borrowed.clear()
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        while not self._inbox.empty():
+            kind, item = self._inbox.get_nowait()
             if kind == "op":
-                assert isinstance(item, (StartWrite, StartRead))
-                leftover.append(OpResult(item, "data plane stopped"))
-            elif kind == "fenced":
                 assert isinstance(item, tuple)
                 leftover.append(OpResult(item[0], "data plane stopped"))
         if leftover:
             self._on_results(leftover)
-
-    # --- the thread -----------------------------------------------------------
 
     def _run(self) -> None:
         self.native_id = threading.get_native_id()
@@ -318,51 +279,64 @@ class DataPlane:
                 if self._fenced:
                     self._release(results)
                 busy = bool(results)
-                self.polls += 1
-                for index, rank in self.ranks.items():
-                    completed, notices = rank.transport.poll()
-                    if not (completed or notices):
-                        continue
-                    now = time.monotonic()
-                    self._busy_until = now + self._busy_for
-                    for c in completed:
-                        borrowed = self._borrowed.pop((index, c.handle), None)
-                        if borrowed is not None:
-                            self.stager.settled(borrowed[0])
-                        posted = self._posted.pop((index, c.handle), None)
-                        if posted is not None:
-                            action, started, planned, sent = posted
-                            staged = borrowed[1] if borrowed is not None else 0
-                            stamps = OpStamps(started, planned, sent, max(now, sent), staged)
-                            results.append(OpResult(action, c.error, stamps))
-                    for n in notices:
-                        notice = self.codec.decode_notice(n.payload)
-                        self._arrived(NoticeIn(notice, self._senders.get(n.peer), now), results)
-                    busy = busy or bool(completed or notices)
-                if self.stager.parked:
-                    for until, item in self.stager.unpark():
-                        assert isinstance(item, NoticeIn)
-                        self._arrived(item, results, until)
-                nap: float | None
-                if results:
-                    self._on_results(results)
-                    # The loop just woken needs the GIL: block briefly (a
-                    # command still wakes us at once) rather than poll again
-                    # at once and keep it waiting for a whole round.
-                    nap = self._inflight_poll_interval
-                else:
-                    nap = 0.0 if busy else self._nap()
-                if nap is None:
-                    command = self._inbox.get()  # nothing to poll for: sleep
-                elif nap > 0:
-                    with contextlib.suppress(queue.Empty):
-                        command = self._inbox.get(timeout=nap)
+                busy = self._poll(results) or busy
+                command = self._wait(results, busy)
         except BaseException as exc:  # surfaced by the runtime, never swallowed
             log.exception("data-plane thread failed")
             self.error = exc
         finally:
             if command is not None:  # taken but not run: stop() reports it
                 self._inbox.put(command)
+
+    def _poll(self, results: list[Result]) -> bool:
+        """Poll every rank once; whether anything settled or arrived."""
+        self.polls += 1
+        moved = False
+        for index, rank in self.ranks.items():
+            completed, notices = rank.transport.poll()
+            if not (completed or notices):
+                continue
+            moved = True
+            now = time.monotonic()
+            self._busy_until = now + self._busy_for
+            for c in completed:
+                self._settled(index, c, now, results)
+            for n in notices:
+                notice = self.codec.decode_notice(n.payload)
+                self._arrived(NoticeIn(notice, self._senders.get(n.peer), now), results)
+        if self.stager.parked:
+            for until, item in self.stager.unpark():
+                assert isinstance(item, NoticeIn)
+                self._arrived(item, results, until)
+        return moved
+
+    def _settled(self, index: int, c: Completed, now: float, results: list[Result]) -> None:
+        borrowed = self._borrowed.pop((index, c.handle), None)
+        if borrowed is not None:
+            self.stager.settled(borrowed[0])
+        posted = self._posted.pop((index, c.handle), None)
+        if posted is not None:
+            action, started, planned, sent = posted
+            staged = borrowed[1] if borrowed is not None else 0
+            stamps = OpStamps(started, planned, sent, max(now, sent), staged)
+            results.append(OpResult(action, c.error, stamps))
+
+    def _wait(self, results: list[Result], busy: bool) -> tuple[str, object] | None:
+        """Hand the results over, then wait for a command as :meth:`_nap` says."""
+        if results:
+            self._on_results(results)
+            # The loop just woken needs the GIL: block briefly (a command
+            # still wakes us at once) rather than poll again at once and keep
+            # it waiting for a whole round.
+            nap: float | None = self._inflight_poll_interval
+        else:
+            nap = 0.0 if busy else self._nap()
+        if nap is None:
+            return self._inbox.get()  # nothing to poll for: sleep
+        if nap > 0:
+            with contextlib.suppress(queue.Empty):
+                return self._inbox.get(timeout=nap)
+        return None
 
     def _arrived(self, item: NoticeIn, results: list[Result], until: float | None = None) -> None:
         """A notice polled: a staged one is scattered first (or waits for its
@@ -403,20 +377,11 @@ class DataPlane:
         return self.stager.scatter(notice, local, planner)
 
     def _nap(self) -> float | None:
-        """How long to wait for a command before polling again, when the last
-        poll brought nothing (notices arrive without any command); None: until
-        the next command.
-
-        NIXL over UCX settles a write only when the *target* progresses
-        (polls) and sends its notice only when the *initiator* does, so a
-        notice costs a target poll, an initiator poll and a target poll
-        again (``benchmarks/wire.py``, docs/runtime.md): while an op is posted
-        ``inflight_poll_interval``; for ``busy_for`` seconds after any
-        command or result ``busy_poll_interval``; while a peer may move bytes
-        to or from us (:meth:`expect`) ``poll_interval``; otherwise nothing
-        can arrive, and the thread sleeps: every wake-up costs CPU (about
-        50 us each on a 2-core host) and the GIL, which the engine's own
-        thread in the same process needs for its next step."""
+        """How long to wait for a command before polling again when the last
+        poll brought nothing; None: until the next command. Why each interval
+        (a NIXL notice costs a target poll, an initiator poll and a target
+        poll again; an idle wake-up costs CPU and the GIL): docs/runtime.md,
+        "Where a handoff's time goes"."""
         if self._posted or self._fenced:
             return self._inflight_poll_interval
         if time.monotonic() < self._busy_until or self.stager.parked:
@@ -448,15 +413,16 @@ class DataPlane:
                 except KvpushError as exc:  # its transport metadata: the peer is unusable
                     log.error("cannot add peer %s: %s", item.peer, exc)
                     self._peers.pop(item.peer, None)
-            elif kind == "fenced":
-                assert isinstance(item, tuple)
-                self._fenced.append(item)
             elif kind == "cancel":
                 assert isinstance(item, Cancel)
                 self._cancel(item, results)
             else:
-                assert isinstance(item, (StartWrite, StartRead))
-                self._post_or_fail(item, results)
+                assert isinstance(item, tuple)
+                action, fence = item
+                if fence is None:
+                    self._post_or_fail(action, results)
+                else:
+                    self._fenced.append((action, fence))
 
     def _release(self, results: list[Result]) -> None:
         """Post the fenced actions whose fence is done, in order; fail those
@@ -537,20 +503,18 @@ class DataPlane:
             return "not posted: its lease ran out"
         route = action.route
         local_index, remote_index = self._indices(action.peer, route.source, route.consumer_rank)
-        rank = self.ranks.get(local_index)
         peer = self._peers.get(action.peer)
-        if rank is None or peer is None or remote_index not in peer.ranks:
+        if local_index not in self.ranks or peer is None or remote_index not in peer.ranks:
             return f"no rank to serve {route}"
         try:
             planner = self._planner(action.peer, route, local_index, remote_index)
             agent = self._agents[(action.peer, remote_index)]
-            write = isinstance(action, StartWrite)
             # An increment but the last of a progressive source: only what was
             # computed since the one before, and no notice (b"": none).
-            first: tuple[int, ...] = ()
-            note = None
-            if isinstance(action, StartWrite):
-                first, note = action.first, action.notice
+            write = isinstance(action, StartWrite)
+            first, note = (
+                (action.first, action.notice) if isinstance(action, StartWrite) else ((), None)
+            )
             plan = planner.plan(
                 action.src_blocks,
                 action.dst_blocks,
@@ -559,33 +523,8 @@ class DataPlane:
                 partial=write and note is None,
             )
             planned = time.monotonic()
-            staged = None
-            if isinstance(action, StartWrite):
-                remote = peer.ranks[remote_index][1]
-                staged, note = self.stager.write(action, local_index, planner, plan, remote)
-            notice = b"" if note is None else self.codec.encode_notice(note)
-            prepper = self._preppers.get(local_index)
-            if staged is not None:
-                try:
-                    handle = rank.transport.write(agent, staged.src, staged.dst, notice)
-                except KvpushError:
-                    self.stager.settled(staged.slot)
-                    raise
-                self._borrowed[(local_index, handle)] = (staged.slot, staged.nbytes)
-            elif prepper is not None and prepper.prefers_prepped(
-                plan.num_descriptors, plan.num_pieces
-            ):
-                self._prep(prepper, agent, action.peer, route, planner)
-                src, dst = plan.indices()
-                if write:
-                    handle = prepper.write_prepped(agent, route, src, dst, notice)
-                else:
-                    handle = prepper.read_prepped(agent, route, dst, src)
-                self.posted_prepped += 1
-            elif write:
-                handle = rank.transport.write(agent, plan.src, plan.dst, notice)
-            else:
-                handle = rank.transport.read(agent, plan.dst, plan.src)
+            remote = peer.ranks[remote_index][1]
+            handle = self._send(action, local_index, agent, planner, plan, remote)
         except KvpushError as exc:
             return f"not posted: {exc}"
         self._posted[(local_index, handle)] = (action, started, planned, time.monotonic())
@@ -593,24 +532,59 @@ class DataPlane:
         self.bytes_posted += int(plan.src[:, 1].sum())
         return None
 
-    def _prep(
+    def _send(
+        self,
+        action: StartWrite | StartRead,
+        index: int,
+        agent: str,
+        planner: TransferPlanner,
+        plan: TransferPlan,
+        remote: KVLayout,
+    ) -> int:
+        """Post a planned action on rank ``index``: staged, by index into the
+        route's prepped lists, or as descriptor rows; its handle."""
+        transport = self.ranks[index].transport
+        notice = b""
+        if isinstance(action, StartWrite):
+            staged, note = self.stager.write(action, index, planner, plan, remote)
+            notice = b"" if note is None else self.codec.encode_notice(note)
+            if staged is not None:
+                try:
+                    handle = transport.write(agent, staged.src, staged.dst, notice)
+                except KvpushError:
+                    self.stager.settled(staged.slot)
+                    raise
+                self._borrowed[(index, handle)] = (staged.slot, staged.nbytes)
+                return handle
+        prepper = self._preppers.get(index)
+        if prepper is not None and prepper.prefers_prepped(plan.num_descriptors, plan.num_pieces):
+            return self._send_prepped(prepper, agent, action, planner, plan, notice)
+        if isinstance(action, StartWrite):
+            return transport.write(agent, plan.src, plan.dst, notice)
+        return transport.read(agent, plan.dst, plan.src)
+
+    def _send_prepped(
         self,
         transport: PreppedTransport,
         agent: str,
-        peer: str,
-        route: Route,
+        action: StartWrite | StartRead,
         planner: TransferPlanner,
-    ) -> None:
-        """Prepare a route's descriptor lists the first time it is used."""
-        if (peer, route) in self._prepped:
-            return
-        mine, theirs = (
-            (Role.PRODUCER, Role.CONSUMER)
-            if self.role is Role.PRODUCER
-            else (Role.CONSUMER, Role.PRODUCER)
-        )
-        transport.prep(agent, route, planner.prepped(mine), planner.prepped(theirs))
-        self._prepped.add((peer, route))
+        plan: TransferPlan,
+        notice: bytes,
+    ) -> int:
+        """Post by index, the route's lists prepared the first time it is used."""
+        route = action.route
+        if (action.peer, route) not in self._prepped:
+            other = Role.CONSUMER if self.role is Role.PRODUCER else Role.PRODUCER
+            transport.prep(agent, route, planner.prepped(self.role), planner.prepped(other))
+            self._prepped.add((action.peer, route))
+        src, dst = plan.indices()
+        if isinstance(action, StartWrite):
+            handle = transport.write_prepped(agent, route, src, dst, notice)
+        else:
+            handle = transport.read_prepped(agent, route, dst, src)
+        self.posted_prepped += 1
+        return handle
 
     def _indices(self, peer: str, source: Source, consumer_rank: int) -> tuple[int, int]:
         """(local rank index, remote rank index) of a route."""

@@ -1,20 +1,7 @@
 """A synchronous facade for engines that run their own loops (vLLM's scheduler
-and workers are synchronous).
-
-The runtime's event loop runs in a background thread (anyio's blocking
-portal). The runtime's role methods (``sync.runtime.reserve(...)``,
-``kv_ready``, ``abort``, ...) and :meth:`SyncRuntime.events` run on the
-caller's thread, under the runtime's lock, and never wait for the loop: it
-is woken to send what they caused (``EndpointRuntime``'s "Threads"). Only
-:meth:`SyncRuntime.call` hops onto the loop and waits for it; it is for what
-must run there (the channel's ``add_route``), never for a per-step path.
-None of them waits for I/O: sends are queued on the channel and transfers on
-the data plane.
-
-Events have one sink: the runtime's queue, which only :meth:`SyncRuntime.events`
-and :meth:`SyncRuntime.wait_events` drain, for the one owner that acts on them.
-No call hands back events as a by-product, so no caller can drop another
-transfer's event by ignoring a return value.
+and workers are synchronous): the runtime's event loop in a background thread
+(anyio's blocking portal). What runs on which thread, and why no call hands
+back events: docs/runtime.md, "Pieces" (sync facade).
 """
 
 from __future__ import annotations
@@ -35,6 +22,9 @@ __all__ = ("SyncRuntime",)
 R = TypeVar("R", bound=EndpointRuntime[Any])
 T = TypeVar("T")
 
+#: Seconds the runtime may take to start, once built.
+_START_TIMEOUT = 10.0
+
 
 class SyncRuntime(Generic[R]):
     """Owns a background event loop that runs one :class:`EndpointRuntime`.
@@ -44,16 +34,13 @@ class SyncRuntime(Generic[R]):
     """
 
     def __init__(
-        self,
-        setup: Callable[[contextlib.AsyncExitStack], Coroutine[Any, Any, R]],
-        *,
-        start_timeout: float = 10.0,
+        self, setup: Callable[[contextlib.AsyncExitStack], Coroutine[Any, Any, R]]
     ) -> None:
         self._cm = start_blocking_portal()
         self._portal: BlockingPortal = self._cm.__enter__()
         self._stop: anyio.Event | None = None
         try:
-            self._future, runtime = self._portal.start_task(self._serve, setup, start_timeout)
+            self._future, runtime = self._portal.start_task(self._serve, setup)
         except BaseException:
             self._cm.__exit__(None, None, None)
             raise
@@ -65,7 +52,6 @@ class SyncRuntime(Generic[R]):
     async def _serve(
         self,
         setup: Callable[[contextlib.AsyncExitStack], Coroutine[Any, Any, R]],
-        timeout: float,
         *,
         task_status: anyio.abc.TaskStatus[R],
     ) -> None:
@@ -75,7 +61,7 @@ class SyncRuntime(Generic[R]):
             # that must outlive it.
             runtime = await setup(stack)
             async with anyio.create_task_group() as tg:
-                with anyio.fail_after(timeout):
+                with anyio.fail_after(_START_TIMEOUT):
                     await tg.start(runtime.run)
                 self._stop = anyio.Event()
                 task_status.started(runtime)
@@ -88,11 +74,7 @@ class SyncRuntime(Generic[R]):
         if self._closed:
             raise KvpushError("the runtime is closed")
         self.round_trips += 1
-        result: T = self._portal.call(self._call, fn, args)
-        return result
-
-    async def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        return fn(*args)
+        return self._portal.call(fn, *args)
 
     def events(self) -> list[Event]:
         """Every event so far, oldest first, and forget them (non-blocking;

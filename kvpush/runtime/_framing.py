@@ -33,6 +33,7 @@ from __future__ import annotations
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
@@ -116,14 +117,18 @@ async def read_frame(stream: BufferedByteReceiveStream, *, max_frame_bytes: int)
     return await stream.receive_exactly(length)
 
 
-def _name(data: bytes, what: str) -> str:
+def _unpack(data: bytes, head: struct.Struct, magic: bytes, what: str) -> tuple[Any, ...]:
+    """``(name, *integers)`` of a preamble or ack; :class:`FramingError` unless
+    ``data`` is a well-formed one."""
+    if len(data) <= head.size or data[:6] != magic:
+        raise FramingError(f"not a kvpush channel {what}")
     try:
-        name = data.decode()
+        name = data[head.size :].decode()
     except UnicodeDecodeError:
         raise FramingError(f"{what}: name is not UTF-8") from None
-    if not name or len(data) > MAX_ID_LEN:
+    if len(data) - head.size > MAX_ID_LEN:
         raise FramingError(f"{what}: name must be 1 to {MAX_ID_LEN} bytes")
-    return name
+    return name, *head.unpack_from(data)[1:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +146,7 @@ class Preamble:
 
     @classmethod
     def decode(cls, data: bytes) -> Preamble:
-        """:class:`FramingError` unless ``data`` is a well-formed preamble."""
-        if len(data) <= _PREAMBLE.size or data[:6] != _PREAMBLE_MAGIC:
-            raise FramingError("not a kvpush channel preamble")
-        _, instance, conn_id, supersedes = _PREAMBLE.unpack_from(data)
-        return cls(_name(data[_PREAMBLE.size :], "preamble"), instance, conn_id, supersedes)
+        return cls(*_unpack(data, _PREAMBLE, _PREAMBLE_MAGIC, "preamble"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,11 +162,7 @@ class Ack:
 
     @classmethod
     def decode(cls, data: bytes) -> Ack:
-        """:class:`FramingError` unless ``data`` is a well-formed ack."""
-        if len(data) <= _ACK.size or data[:6] != _ACK_MAGIC:
-            raise FramingError("not a kvpush channel ack")
-        _, instance, conn_id = _ACK.unpack_from(data)
-        return cls(_name(data[_ACK.size :], "ack"), instance, conn_id)
+        return cls(*_unpack(data, _ACK, _ACK_MAGIC, "ack"))
 
 
 def seal(payload: bytes, codec: Codec) -> bytes:

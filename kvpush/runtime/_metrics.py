@@ -30,6 +30,8 @@ try:
     import prometheus_client as prom
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.registry import Collector
+
+    _COUNTER, _GAUGE = CounterMetricFamily, GaugeMetricFamily
 except ImportError:  # pragma: no cover - exercised only without the extra
     prom = None  # type: ignore[assignment]
     Collector = object  # type: ignore[assignment,misc]
@@ -116,61 +118,47 @@ class EndpointMetrics(Collector):
 
     def collect(self) -> Iterator[Any]:
         """Scrape-time values read from the endpoint and the data plane."""
-        names, values = ["role", "engine"], [self._labels["role"], self._labels["engine"]]
-        ep = self.endpoint
-        blocks = GaugeMetricFamily(
-            "kvpush:blocks", "KV blocks held by the protocol now.", labels=[*names, "kind"]
-        )
+        v, ep = [self._labels["role"], self._labels["engine"]], self.endpoint
         if isinstance(ep, Consumer):
-            blocks.add_metric([*values, "reserved"], ep.reserved_blocks)
-            # Of those, held past their quarantine until the producer proves
-            # that no write can land (docs/protocol.md, SUSPECT).
-            blocks.add_metric([*values, "suspect"], ep.suspect_blocks)
+            # suspect: of those, held past their quarantine until the producer
+            # proves that no write can land (docs/protocol.md, SUSPECT).
+            held = {"reserved": ep.reserved_blocks, "suspect": ep.suspect_blocks}
         else:
-            blocks.add_metric([*values, "held"], ep.held_blocks)
-        yield blocks
-        ignored = CounterMetricFamily(
-            "kvpush:inputs",
-            "Inputs the endpoint counted instead of acting on (stale, duplicate, ...).",
-            labels=[*names, "kind"],
+            held = {"held": ep.held_blocks}
+        yield _family(_GAUGE, "blocks", "KV blocks held by the protocol now.", v, "kind", held)
+        text = "Inputs the endpoint counted instead of acting on (stale, duplicate, ...)."
+        yield _family(_COUNTER, "inputs", text, v, "kind", dict(sorted(ep.stats().items())))
+        if self.dataplane is None:
+            return
+        dp, st = self.dataplane, self.dataplane.stager
+        yield _family(
+            _COUNTER, "transfer_bytes", "Bytes posted by the data plane.", v, dp.bytes_posted
         )
-        for kind, n in sorted(ep.stats().items()):
-            ignored.add_metric([*values, kind], n)
-        yield ignored
-        if self.dataplane is not None:
-            moved = CounterMetricFamily(
-                "kvpush:transfer_bytes", "Bytes posted by the data plane.", labels=names
-            )
-            moved.add_metric(values, self.dataplane.bytes_posted)
-            yield moved
-            st = self.dataplane.stager
-            writes = CounterMetricFamily(
-                "kvpush:writes",
-                "Writes posted, by the way the cost model sent them (docs/layouts.md).",
-                labels=[*names, "path"],
-            )
-            writes.add_metric([*values, "staged"], st.staged_writes)
-            writes.add_metric([*values, "direct"], st.direct_writes)
-            yield writes
-            staged = CounterMetricFamily(
-                "kvpush:staged_bytes", "Bytes gathered into staging slots.", labels=names
-            )
-            staged.add_metric(values, st.staged_bytes)
-            yield staged
-            pool = GaugeMetricFamily(
-                "kvpush:staging_bytes",
-                "Staging memory in slots now (producer: lent to writes in flight; "
-                "consumer: owned by reservations).",
-                labels=names,
-            )
-            used = ep.staging_bytes_used if isinstance(ep, Consumer) else st.pool_used()
-            pool.add_metric(values, used)
-            yield pool
-            scattered = CounterMetricFamily(
-                "kvpush:scatters",
-                "Staged notices scattered into blocks, and dropped (no reservation).",
-                labels=[*names, "outcome"],
-            )
-            scattered.add_metric([*values, "scattered"], st.scatters)
-            scattered.add_metric([*values, "dropped"], st.dropped_notices)
-            yield scattered
+        text = "Writes posted, by the way the cost model sent them (docs/layouts.md)."
+        ways = {"staged": st.staged_writes, "direct": st.direct_writes}
+        yield _family(_COUNTER, "writes", text, v, "path", ways)
+        yield _family(
+            _COUNTER, "staged_bytes", "Bytes gathered into staging slots.", v, st.staged_bytes
+        )
+        text = (
+            "Staging memory in slots now (producer: lent to writes in flight; "
+            "consumer: owned by reservations)."
+        )
+        used = ep.staging_bytes_used if isinstance(ep, Consumer) else st.pool_used()
+        yield _family(_GAUGE, "staging_bytes", text, v, used)
+        text = "Staged notices scattered into blocks, and dropped (no reservation)."
+        outcomes = {"scattered": st.scatters, "dropped": st.dropped_notices}
+        yield _family(_COUNTER, "scatters", text, v, "outcome", outcomes)
+
+
+def _family(kind: Any, name: str, text: str, values: list[str], *sample: Any) -> Any:
+    """``kvpush:<name>`` with one sample: ``(value,)``, or ``(label, {key: value})``."""
+    if len(sample) == 1:
+        family = kind(f"kvpush:{name}", text, labels=["role", "engine"])
+        family.add_metric(values, sample[0])
+        return family
+    label, items = sample
+    family = kind(f"kvpush:{name}", text, labels=["role", "engine", label])
+    for key, value in items.items():
+        family.add_metric([*values, key], value)
+    return family

@@ -1,59 +1,19 @@
 """Merged transfer plans: which bytes go where for one route of one transfer.
 
-The data plane's planner (:class:`~kvpush.runtime.DataPlane` plans every
-``StartWrite``/``StartRead`` with it): pure, numpy in and numpy out, no I/O,
-but it lives here and not in the core so that the core never imports numpy
-(docs/architecture.md).
-
-Given the producer rank's and the consumer rank's :class:`KVLayout`, the
-:class:`Route` between them (which global KV heads this producer rank sends
-this consumer rank) and the block ids on both sides, the planner produces the
-NIXL descriptor lists: ``(address, length, device)`` rows for the source and
-for the destination, pairwise equal in length. Regions pair by ``(layer,
-kind)``: a producer PP stage holds only its own layers, the consumer all.
-
-How it works, and why:
-
-* **Chunks.** The two sides may use different block sizes. If one is an
-  integral multiple of the other, every transfer is cut at the finer size, a
-  *chunk* of ``min(Bp, Bc)`` tokens; a non-integral ratio is refused at
-  construction (there is no chunk that maps onto whole blocks on both sides).
-* **Templates.** What one chunk sends is the same for every block of a region:
-  the (token, head) cells of the route's heads. The planner computes, once per
-  region pair, the chunk's cells as maximal pieces contiguous on *both* sides
-  (its *template*). All heads of both sides in one order, or a head slice in
-  the head-major order with equal block sizes, is one piece. A head slice in
-  the token-major order is one piece *per token* ("strided"); it is refused
-  unless the planner is built with ``allow_strided=True``, because it
-  multiplies the descriptor count by the block size (use :attr:`HeadOrder.HND`
-  on both sides).
-* **Merging.** Pieces are laid out region by region, chunk by chunk in token
-  order, template pieces in destination order; any piece that starts where
-  its predecessor ends on both sides extends it. Fragmented block tables thus
-  cost one descriptor per *run* of blocks contiguous on both sides, not one
-  per block (vLLM's push connector posted one per block per region: 118 ->
-  18,880 descriptors on fragmented memory).
-* **Vectorised.** Regions whose geometry is identical (same strides, template
-  and group: typically all K and V regions of all layers) share one run
-  computation over the block ids, broadcast over their base addresses. Python
-  loops run per group and per geometry class, never per block.
-* **Prefix hits.** ``skip_tokens`` is the number of leading tokens the consumer
-  already holds (a multiple of its block size). ``dst_blocks`` list only the
-  blocks to write, starting at token ``skip_tokens``; ``src_blocks`` list the
-  producer's blocks from token 0. The planner drops the skipped chunks from the
-  source side only, so a block-size ratio cannot misalign the trim.
-* **Bounds.** Every block id is checked against the ``num_blocks`` its side
-  declared, and destination ids must be distinct: a registration tells the
-  producer where to write in remote memory, so nothing outside it is touched.
+The data plane's planner: pure numpy, no I/O, kept out of the core so that the
+core never imports numpy (docs/architecture.md). How a plan is built (chunks,
+templates, merging, classes of regions of one geometry, the prefix trim and
+the bounds checks) and why: docs/layouts.md, "The planner".
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, NDArray
 
 from kvpush.protocol import (
     HeadOrder,
@@ -155,6 +115,9 @@ class _Class:
     contiguous: bool
     src: _Side
     dst: _Side
+    #: ``(2, regions)``: both sides' bases and devices, for :func:`_fill`.
+    base: U64
+    dev: U64
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -181,12 +144,22 @@ def _template(p: Region, c: Region, route: Route, chunk: int) -> tuple[I64, I64,
     src = _cell_offsets(p, tokens, heads[None, :]).reshape(-1)
     dst = _cell_offsets(c, tokens, heads[None, :]).reshape(-1)
     order = np.argsort(dst, kind="stable")
-    src, dst = src[order], dst[order]
-    cell = p.head_bytes
-    joins = (src[1:] == src[:-1] + cell) & (dst[1:] == dst[:-1] + cell)
+    src_s, dst_s, lengths = merge_runs(
+        np.full(src.size, p.head_bytes, np.int64), src[order], dst[order]
+    )
+    return src_s, dst_s, lengths
+
+
+def merge_runs(lengths: I64, *sides: I64) -> tuple[I64, ...]:
+    """Pieces (``lengths``, a start per side) that start where their
+    predecessor ends on every side joined: ``(*starts, lengths)`` of the runs."""
+    if lengths.size < 2:
+        return (*sides, lengths)
+    joins = sides[0][1:] == sides[0][:-1] + lengths[:-1]
+    for side in sides[1:]:
+        joins &= side[1:] == side[:-1] + lengths[:-1]
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.diff(np.append(starts, src.size)) * cell
-    return src[starts], dst[starts], lengths.astype(np.int64)
+    return (*(side[starts] for side in sides), np.add.reduceat(lengths, starts))
 
 
 def _sub_stride(r: Region, chunk: int) -> int:
@@ -198,6 +171,13 @@ def _sub_stride(r: Region, chunk: int) -> int:
     return chunk * r.head_bytes
 
 
+def rows(address: ArrayLike, length: ArrayLike, device: ArrayLike) -> U64:
+    """``(N, 3)`` descriptor rows from columns (arrays or scalars, broadcast)."""
+    out = np.empty((np.broadcast(address, length, device).size, 3), dtype=np.uint64)
+    out[:, 0], out[:, 1], out[:, 2] = address, length, device
+    return out
+
+
 def _readonly(a: NDArray[np.generic]) -> None:
     a.flags.writeable = False
 
@@ -205,27 +185,10 @@ def _readonly(a: NDArray[np.generic]) -> None:
 class TransferPlanner:
     """Plans every transfer of one route; build once per (peer, route).
 
-    Construction checks that the two layouts can exchange KV at all and raises
-    :class:`IncompatiblePeerError` (naming the field) if not: a producer region
-    with no consumer region of the same ``(layer, kind)`` and group, different
-    bytes per head and token, a non-integral block size ratio, route heads a
-    side does not hold, or strided pieces without ``allow_strided``.
+    Construction raises :class:`IncompatiblePeerError` (naming the field:
+    docs/layouts.md, "The planner") where the layouts can never exchange KV;
     :meth:`plan` then checks only the per-transfer inputs.
     """
-
-    __slots__ = (
-        "_chunk",
-        "_classes",
-        "_dst_groups",
-        "_limits",
-        "_py",
-        "_ratio",
-        "allow_strided",
-        "consumer",
-        "pairs",
-        "producer",
-        "route",
-    )
 
     def __init__(
         self, producer: KVLayout, consumer: KVLayout, route: Route, *, allow_strided: bool = False
@@ -234,8 +197,7 @@ class TransferPlanner:
         self.allow_strided = allow_strided
         if route.heads.count < 1 or route.heads.start < 0:
             raise IncompatiblePeerError("kv.heads", f"empty or negative head slice {route.heads}")
-        # Pair regions by (layer, kind): a producer PP stage holds only its layers,
-        # the consumer all of them; consumer regions no pair names are not touched.
+        # A producer PP stage holds only its layers; the consumer all of them.
         where = {(r.layer, r.kind): r for r in consumer.regions}
         pairs: list[tuple[Region, Region]] = []
         for p in producer.regions:
@@ -249,9 +211,9 @@ class TransferPlanner:
         #: (producer region, consumer region) in the producer's order; plans follow it.
         self.pairs = tuple(pairs)
         self._dst_groups = consumer.num_groups
-        self._chunk: list[int] = []
-        self._ratio: list[tuple[int, int]] = []
-        self._limits: list[tuple[int, int]] = []
+        chunk: list[int] = []
+        ratios: list[tuple[int, int]] = []
+        limits: list[tuple[int, int]] = []
         for g in range(producer.num_groups):
             p, c = producer.group_region(g), consumer.group_region(g)
             bp, bc = p.tokens_per_block, c.tokens_per_block
@@ -261,26 +223,17 @@ class TransferPlanner:
                     f"KV group {g}: producer blocks of {bp} tokens and consumer blocks of "
                     f"{bc} tokens: one must be a whole multiple of the other",
                 )
-            self._chunk.append(min(bp, bc))
-            self._ratio.append((bp // min(bp, bc), bc // min(bp, bc)))
-            self._limits.append((p.num_blocks, c.num_blocks))
-        self._classes = self._classify()
-        self._py = tuple(_PyClass.of(cls) for cls in self._classes)
-
-    @property
-    def chunk_tokens(self) -> tuple[int, ...]:
-        """Per KV group, the tokens of one chunk (the finer block size)."""
-        return tuple(self._chunk)
-
-    @property
-    def ratios(self) -> tuple[tuple[int, int], ...]:
-        """Per KV group, chunks per block on the producer and on the consumer."""
-        return tuple(self._ratio)
-
-    @property
-    def classes(self) -> tuple[_Class, ...]:
-        """The region pairs grouped by geometry, with their chunk templates."""
-        return tuple(self._classes)
+            chunk.append(min(bp, bc))
+            ratios.append((bp // min(bp, bc), bc // min(bp, bc)))
+            limits.append((p.num_blocks, c.num_blocks))
+        #: Per KV group: the tokens of one chunk (the finer block size), chunks
+        #: per block on the producer and on the consumer, and their block counts.
+        self.chunk_tokens = tuple(chunk)
+        self.ratios = tuple(ratios)
+        self._limits = tuple(limits)
+        #: The region pairs grouped by geometry, with their chunk templates.
+        self.classes = self._classify()
+        self._py = tuple(_PyClass.of(cls) for cls in self.classes)
 
     def _check_pair(self, p: Region, c: Region) -> None:
         if p.group != c.group:
@@ -301,7 +254,7 @@ class TransferPlanner:
                     f"{side} rank, which holds [{r.head_start}, {r.head_start + r.num_heads})",
                 )
 
-    def _classify(self) -> list[_Class]:
+    def _classify(self) -> tuple[_Class, ...]:
         """Templates per pair, then pairs grouped by identical geometry."""
         route = self.route
         keyed: dict[tuple[object, ...], list[int]] = {}
@@ -309,8 +262,8 @@ class TransferPlanner:
         cache: dict[tuple[object, ...], tuple[I64, I64, I64]] = {}
         units = np.zeros((2, len(self.pairs) + 1), dtype=np.int64)
         for i, (p, c) in enumerate(self.pairs):
-            chunk = self._chunk[p.group]
-            rs, rd = self._ratio[p.group]
+            chunk = self.chunk_tokens[p.group]
+            rs, rd = self.ratios[p.group]
             shape = tuple((r.order, r.num_heads, r.head_start, r.tokens_per_block) for r in (p, c))
             t = cache.get((chunk, p.head_bytes, shape))
             if t is None:
@@ -348,8 +301,8 @@ class TransferPlanner:
                 sides.append(
                     _Side(
                         stride=r0.stride,
-                        sub=_sub_stride(r0, self._chunk[p0.group]),
-                        ratio=self._ratio[p0.group][k],
+                        sub=_sub_stride(r0, self.chunk_tokens[p0.group]),
+                        ratio=self.ratios[p0.group][k],
                         blocks=r0.num_blocks,
                         offsets=offsets,
                         base=np.array([r.base for r in regions], dtype=np.uint64),
@@ -358,8 +311,12 @@ class TransferPlanner:
                     )
                 )
             contiguous = members == list(range(members[0], members[0] + len(members)))
-            classes.append(_Class(p0.group, lengths, regs, contiguous, sides[0], sides[1]))
-        return classes
+            base = np.stack((sides[0].base, sides[1].base))
+            dev = np.stack((sides[0].dev, sides[1].dev))
+            classes.append(
+                _Class(p0.group, lengths, regs, contiguous, sides[0], sides[1], base, dev)
+            )
+        return tuple(classes)
 
     def prepped(self, role: Role) -> U64:
         """The per-piece descriptor list of one side, for ``prep_xfer_dlist``.
@@ -371,19 +328,18 @@ class TransferPlanner:
         source, ``Role.CONSUMER`` for the destination).
         """
         parts: list[U64] = [np.empty((0, 3), dtype=np.uint64)] * len(self.pairs)
-        for cls in self._classes:
+        for cls in self.classes:
             side = cls.src if role is Role.PRODUCER else cls.dst
             local = (
                 np.arange(side.blocks, dtype=np.int64)[:, None, None] * side.stride
                 + np.arange(side.ratio, dtype=np.int64)[None, :, None] * side.sub
                 + side.offsets[None, None, :]
             ).reshape(-1)
+            lengths = np.tile(cls.lengths, side.blocks * side.ratio)
             for j, region in enumerate(cls.regions):
-                rows = np.empty((local.size, 3), dtype=np.uint64)
-                rows[:, 0] = local.astype(np.uint64) + side.base[j]
-                rows[:, 1] = np.tile(cls.lengths, side.blocks * side.ratio)
-                rows[:, 2] = side.dev[j]
-                parts[int(region)] = rows
+                parts[int(region)] = rows(
+                    local.astype(np.uint64) + side.base[j], lengths, side.dev[j]
+                )
         result = np.concatenate(parts)
         _readonly(result)
         return result
@@ -411,7 +367,7 @@ class TransferPlanner:
         them are planned; ``partial``: more of the source is to come, so it
         may be shorter than the destination (all its blocks are whole).
         """
-        groups = len(self._chunk)
+        groups = len(self.chunk_tokens)
         for what, blocks, want in (
             ("src_blocks", src_blocks, groups),
             ("dst_blocks", dst_blocks, self._dst_groups),
@@ -442,10 +398,10 @@ class TransferPlanner:
         partial: bool = False,
     ) -> _Chunks:
         """The chunks to copy in KV group ``g``, in token order."""
-        rs, rd = self._ratio[g]
+        rs, rd = self.ratios[g]
         s = _block_ids(src, "source", g, self._limits[g][0], unique=False)
         d = _block_ids(dst, "destination", g, self._limits[g][1], unique=True)
-        span = chunk_span(self._chunk[g], rs, rd, s.size, d.size, skip, done, partial)
+        span = chunk_span(self.chunk_tokens[g], rs, rd, s.size, d.size, skip, done, partial)
         if isinstance(span, str):
             raise LocalProtocolError(f"KV group {g}: {span}")
         # Chunk i of the request is chunk i - base of the destination list.
@@ -463,10 +419,10 @@ class TransferPlanner:
         return _Chunks(sblk, ssub, dblk, dsub)
 
     def _assemble(self, chunks: list[_Chunks]) -> TransferPlan:
-        merged: list[tuple[_Class, I64, I64, I64]] = []
+        merged: list[tuple[_Class, U64, I64]] = []
         counts = np.zeros(len(self.pairs), dtype=np.int64)
         pieces = 0
-        for cls in self._classes:
+        for cls in self.classes:
             ch = chunks[cls.group]
             rel_s = ch.src_block * cls.src.stride + ch.src_sub * cls.src.sub
             rel_d = ch.dst_block * cls.dst.stride + ch.dst_sub * cls.dst.sub
@@ -479,46 +435,48 @@ class TransferPlanner:
                 rel_d = rel_d + cls.dst.offsets[0]
                 lens = np.full(rel_s.size, cls.lengths[0], dtype=np.int64)
             pieces += rel_s.size * cls.regions.size
-            if rel_s.size:
-                # A piece joins its predecessor iff it starts where that one ends on both sides.
-                end_s, end_d = rel_s[:-1] + lens[:-1], rel_d[:-1] + lens[:-1]
-                joins = (rel_s[1:] == end_s) & (rel_d[1:] == end_d)
-                starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-                rel_s, rel_d, lens = rel_s[starts], rel_d[starts], np.add.reduceat(lens, starts)
-            merged.append((cls, rel_s, rel_d, lens))
+            rel_s, rel_d, lens = merge_runs(lens, rel_s, rel_d)
+            merged.append((cls, np.stack((rel_s, rel_d)).astype(np.uint64), lens))
             counts[cls.regions] = rel_s.size
         region_rows = np.concatenate(([0], np.cumsum(counts)))
-        # One buffer for both sides: two equal-size arrays allocated and freed per
-        # plan kept missing glibc's mmap threshold and were page-faulted afresh on
-        # every call (3-4x slower in benchmarks/plan.py).
-        both = np.empty((2, int(region_rows[-1]), 3), dtype=np.uint64)
-        nbytes = 0
-        for cls, s_rel, d_rel, run_len in merged:
-            nbytes += int(run_len.sum()) * cls.regions.size
-            rows = _rows(cls, region_rows, s_rel.size)
-            _fill(both[0], rows, cls.src, s_rel, run_len)
-            _fill(both[1], rows, cls.dst, d_rel, run_len)
-        _readonly(both)
-        _readonly(region_rows)
-        return TransferPlan(
-            both[0], both[1], region_rows, nbytes, pieces, tuple(self._classes), tuple(chunks)
-        )
+        nbytes = sum(int(lens.sum()) * cls.regions.size for cls, _, lens in merged)
+        return _filled(region_rows, merged, nbytes, pieces, self.classes, chunks)
 
 
-def _fill(out: U64, rows: slice | I64, side: _Side, rel: I64, run_len: I64) -> None:
-    """Write one class's rows: every region's base plus the shared offsets,
-    straight into the output (no temporaries the size of the output)."""
-    n_reg, n_run = side.base.size, rel.size
-    rel_u = rel.astype(np.uint64)
+def _filled(
+    region_rows: I64,
+    merged: Sequence[tuple[_Class, U64, I64 | list[int]]],
+    nbytes: int,
+    pieces: int,
+    classes: tuple[_Class, ...],
+    chunks: Sequence[_Chunks],
+) -> TransferPlan:
+    """The plan whose class ``c`` has the runs ``(rel, lengths)`` (``rel``:
+    ``(2, runs)`` offsets from each region's base on both sides)."""
+    # One buffer for both sides: two equal-size arrays allocated and freed per
+    # plan kept missing glibc's mmap threshold and were page-faulted afresh on
+    # every call (3-4x slower in benchmarks/plan.py).
+    both = np.empty((2, int(region_rows[-1]), 3), dtype=np.uint64)
+    for cls, rel, lens in merged:
+        _fill(both, _rows(cls, region_rows, rel.shape[1]), cls, rel, lens)
+    _readonly(both)
+    _readonly(region_rows)
+    return TransferPlan(both[0], both[1], region_rows, nbytes, pieces, classes, tuple(chunks))
+
+
+def _fill(both: U64, rows: slice | I64, cls: _Class, rel: U64, lens: I64 | list[int]) -> None:
+    """Write one class's rows on both sides: every region's base plus the
+    shared offsets, straight into the output (no temporaries its size)."""
+    n_reg, n_run = cls.base.shape[1], rel.shape[1]
     if isinstance(rows, slice):
-        view = out[rows].reshape(n_reg, n_run, 3)
-        np.add(side.base[:, None], rel_u[None, :], out=view[:, :, 0])
-        view[:, :, 1] = run_len[None, :]
-        view[:, :, 2] = side.dev[:, None]
+        view = both[:, rows].reshape(2, n_reg, n_run, 3)
+        np.add(cls.base[:, :, None], rel[:, None, :], out=view[..., 0])
+        view[..., 1] = lens
+        view[..., 2] = cls.dev[:, :, None]
     else:
-        out[rows, 0] = (side.base[:, None] + rel_u[None, :]).reshape(-1)
-        out[rows, 1] = np.broadcast_to(run_len, (n_reg, n_run)).reshape(-1)
-        out[rows, 2] = np.repeat(side.dev, n_run)
+        both[:, rows, 0] = (cls.base[:, :, None] + rel[:, None, :]).reshape(2, -1)
+        both[:, rows, 1] = np.broadcast_to(lens, (n_reg, n_run)).reshape(-1)
+        both[:, rows, 2] = np.repeat(cls.dev, n_run, axis=1)
 
 
 def _rows(cls: _Class, starts: I64, per_region: int) -> slice | I64:
@@ -558,42 +516,31 @@ def _block_ids(ids: object, side: str, group: int, limit: int, *, unique: bool) 
 
 
 #: Block lists up to this long (per KV group and side), and plans of up to this
-#: many template pieces, take :func:`_small_plan`. Measured with
-#: ``benchmarks/plan.py --small`` (2-core host): the numpy path's fixed cost is
-#: about 45 us warm and 250-500 us right after a large copy has flushed the
-#: caches (the case that matters: the previous transfer just ran); plain Python
-#: costs about 0.1-0.2 us per piece.
+#: many template pieces, take :func:`_small_plan` (docs/runtime.md, "Small plans";
+#: ``benchmarks/plan.py --small``).
 SMALL_PLAN_BLOCKS = 128
 SMALL_PLAN_PIECES = 512
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _PyClass:
-    """A :class:`_Class` as plain Python values, for :func:`_small_plan`."""
+    """A :class:`_Class`'s geometry as plain Python values, for :func:`_small_plan`."""
 
-    group: int
+    cls: _Class
     regions: tuple[int, ...]
-    lengths: tuple[int, ...]
-    #: Per side (source, destination): block stride, chunk stride, piece
-    #: offsets; then per region of the class its base address and device.
-    strides: tuple[tuple[int, int], tuple[int, int]]
-    offsets: tuple[tuple[int, ...], tuple[int, ...]]
-    contiguous: bool
-    #: ``(2, regions)`` base addresses, ``(2, regions, 1)`` devices (uint64).
-    base: U64
-    dev: U64
+    #: Block stride and chunk stride of the source, then of the destination.
+    strides: tuple[int, int, int, int]
+    #: Per template piece: source offset, destination offset, length.
+    pieces: tuple[tuple[int, int, int], ...]
 
     @staticmethod
     def of(c: _Class) -> _PyClass:
+        offsets = (c.src.offsets.tolist(), c.dst.offsets.tolist(), c.lengths.tolist())
         return _PyClass(
-            c.group,
-            tuple(int(r) for r in c.regions),
-            tuple(int(n) for n in c.lengths),
-            ((c.src.stride, c.src.sub), (c.dst.stride, c.dst.sub)),
-            (tuple(c.src.offsets.tolist()), tuple(c.dst.offsets.tolist())),
-            c.contiguous,
-            np.stack((c.src.base, c.dst.base)),
-            np.stack((c.src.dev, c.dst.dev))[:, :, None],
+            c,
+            tuple(c.regions.tolist()),
+            (c.src.stride, c.src.sub, c.dst.stride, c.dst.sub),
+            tuple(zip(*offsets, strict=True)),
         )
 
 
@@ -651,8 +598,8 @@ def _small_chunks(
                 return None
     if len(set(dst)) != nd:
         return None
-    rs, rd = pl._ratio[g]
-    span = chunk_span(pl._chunk[g], rs, rd, ns, nd, skip, done, partial)
+    rs, rd = pl.ratios[g]
+    span = chunk_span(pl.chunk_tokens[g], rs, rd, ns, nd, skip, done, partial)
     if isinstance(span, str):
         return None
     base, first, end = span
@@ -672,18 +619,15 @@ def _small_chunks(
 
 def _small_runs(c: _PyClass, ch: _PyChunks) -> tuple[list[int], list[int], list[int]]:
     """One class's merged runs (relative offsets, lengths), as in ``_assemble``."""
-    sblk, ssub, dblk, dsub = ch
-    (s_stride, s_sub), (d_stride, d_sub) = c.strides
-    offs_s, offs_d = c.offsets
-    pieces = tuple(zip(offs_s, offs_d, c.lengths, strict=True))
+    s_stride, s_sub, d_stride, d_sub = c.strides
     run_s: list[int] = []
     run_d: list[int] = []
     run_l: list[int] = []
     end_s = end_d = -1
-    for k in range(len(sblk)):
-        base_s = sblk[k] * s_stride + ssub[k] * s_sub
-        base_d = dblk[k] * d_stride + dsub[k] * d_sub
-        for o_s, o_d, n in pieces:
+    for sblk, ssub, dblk, dsub in zip(*ch, strict=True):
+        base_s = sblk * s_stride + ssub * s_sub
+        base_d = dblk * d_stride + dsub * d_sub
+        for o_s, o_d, n in c.pieces:
             a, b = base_s + o_s, base_d + o_d
             if a == end_s and b == end_d:
                 run_l[-1] += n
@@ -708,58 +652,28 @@ def _small_plan(
     ``None`` when the transfer is large or the inputs need the numpy path's
     checks; ``tests/test_plan.py`` checks that both paths agree."""
     chunks: list[_PyChunks] = []
-    for g in range(len(pl._chunk)):
+    for g in range(len(pl.chunk_tokens)):
         done = starts[g] if starts else 0
         ch = _small_chunks(pl, g, src_blocks[g], dst_blocks[g], skip, done, partial)
         if ch is None:
             return None
         chunks.append(ch)
-    if sum(len(chunks[c.group][0]) * len(c.lengths) for c in pl._py) > SMALL_PLAN_PIECES:
+    if sum(len(chunks[c.cls.group][0]) * len(c.pieces) for c in pl._py) > SMALL_PLAN_PIECES:
         return None
     counts = [0] * len(pl.pairs)
-    runs = []
+    merged = []
     pieces = nbytes = 0
     for c in pl._py:
-        r = _small_runs(c, chunks[c.group])
-        runs.append(r)
-        pieces += len(chunks[c.group][0]) * len(c.lengths) * len(c.regions)
-        nbytes += sum(r[2]) * len(c.regions)
+        run_s, run_d, run_l = _small_runs(c, chunks[c.cls.group])
+        merged.append((c.cls, np.array((run_s, run_d), dtype=np.uint64).reshape(2, -1), run_l))
+        pieces += len(chunks[c.cls.group][0]) * len(c.pieces) * len(c.regions)
+        nbytes += sum(run_l) * len(c.regions)
         for region in c.regions:
-            counts[region] = len(r[0])
-    starts = [0]
-    for n in counts:
-        starts.append(starts[-1] + n)
-    both = np.empty((2, starts[-1], 3), dtype=np.uint64)
-    for c, (run_s, run_d, run_l) in zip(pl._py, runs, strict=True):
-        m = len(run_l)
-        if not m:
-            continue
-        rel = np.array((run_s, run_d), dtype=np.uint64)
-        if c.contiguous:
-            lo = starts[c.regions[0]]
-            view = both[:, lo : lo + len(c.regions) * m].reshape(2, len(c.regions), m, 3)
-            np.add(c.base[:, :, None], rel[:, None, :], out=view[..., 0])
-            view[..., 1] = run_l
-            view[..., 2] = c.dev
-        else:
-            for j, region in enumerate(c.regions):
-                view = both[:, starts[region] : starts[region] + m]
-                np.add(c.base[:, j, None], rel, out=view[..., 0])
-                view[..., 1] = run_l
-                view[..., 2] = c.dev[:, j]
-    region_rows = np.array(starts, dtype=np.int64)
-    _readonly(both)
-    _readonly(region_rows)
+            counts[region] = len(run_l)
+    region_rows = np.array([0, *itertools.accumulate(counts)], dtype=np.int64)
     arrays = [np.array(ch, dtype=np.int64).reshape(4, -1) for ch in chunks]
-    return TransferPlan(
-        both[0],
-        both[1],
-        region_rows,
-        nbytes,
-        pieces,
-        tuple(pl._classes),
-        tuple(_Chunks(a[0], a[1], a[2], a[3]) for a in arrays),
-    )
+    as_chunks = [_Chunks(a[0], a[1], a[2], a[3]) for a in arrays]
+    return _filled(region_rows, merged, nbytes, pieces, pl.classes, as_chunks)
 
 
 def plan_transfer(

@@ -1,18 +1,10 @@
 """The registry of transports: how the layers above find an implementation of
-:class:`~kvpush.runtime.Transport` without the runtime importing one.
-
-A transport package registers a :class:`TransportKind` under the
-``kvpush.transports`` entry-point group of its distribution (kvpush's own
-``pyproject.toml``: ``shm`` is ``kvpush.shm:TRANSPORT``, ``nixl`` is
-``kvpush_nixl:TRANSPORT``), and a caller asks for it by name::
+:class:`~kvpush.runtime.Transport` without the runtime importing one
+(docs/architecture.md, "The registries")::
 
     kind = transport_kind("nixl")
     kind.probe()                 # TransportError naming the fix if NIXL is missing
     transport = kind.factory("prefill-0-r0")
-
-Loading an entry point imports the transport's package, never its library
-(NIXL is imported when a transport is built, or by :attr:`TransportKind.probe`).
-See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -29,10 +21,6 @@ __all__ = ("TRANSPORTS_GROUP", "TransportKind", "transport_kind", "transport_kin
 TRANSPORTS_GROUP = "kvpush.transports"
 
 
-def _runs_anywhere() -> None:
-    """The default probe: nothing to check."""
-
-
 @dataclass(frozen=True, slots=True)
 class TransportKind:
     """One registered transport: what its package's entry point names."""
@@ -45,7 +33,7 @@ class TransportKind:
     #: Raises :class:`TransportError` (with the fix) when the transport
     #: cannot run here, e.g. its library is missing; builds nothing, and its
     #: result is ignored.
-    probe: Callable[[], object] = _runs_anywhere
+    probe: Callable[[], object] = lambda: None
 
 
 def _load(ep: EntryPoint) -> TransportKind:

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import msgpack
@@ -63,6 +63,7 @@ __all__ = (
 log = logging.getLogger("kvpush.runtime")
 
 E = TypeVar("E", Producer, Consumer)
+T = TypeVar("T")
 
 
 class ChannelLike(Protocol):
@@ -120,13 +121,10 @@ def decode_rank(blob: bytes) -> tuple[bytes, KVLayout]:
 
 class _Wakeup:
     """Wakes the event loop from another thread without waiting for it: a
-    self-pipe (backend-neutral), at most one byte in flight.
-
-    Order matters. The waker queues its item, then writes a byte unless one is
-    pending. The loop reads the bytes, clears ``pending`` and only then drains
-    the queue: an item queued before the clear is drained now, one queued
-    after it writes a new byte. No item is ever left behind with no byte.
-    """
+    self-pipe (backend-neutral), at most one byte in flight. The waker queues
+    its item, then writes a byte unless one is pending; the loop reads the
+    bytes, clears ``pending`` and only then drains the queue, so no item is
+    ever left behind with no byte."""
 
     def __init__(self) -> None:
         self._r, self._w = socket.socketpair()
@@ -153,30 +151,16 @@ class _Wakeup:
         self._r.close()
         self._w.close()
 
-    def __enter__(self) -> _Wakeup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class StallWatch:
-    """Measures when this process or its event loop did not run for a while,
-    and reports each such gap to the core (``on_stall(now, gap)``, i.e. the
-    endpoint's ``stalled()``); the core decides what that means for the frames
-    read next (docs/protocol.md, "Timing": it drops lease-bearing ones).
-
-    A ticker task beats every ``limit / 5``; a beat more than ``limit`` after
-    the previous one is a stall. The pump also calls :meth:`check` before it
-    feeds each frame, so a frame read during a gap (before the ticker ran
-    again) comes after its report. ``dropped`` counts the frames the core
-    dropped for a stall (the pump tallies them)."""
+    """Reports each gap of more than ``limit`` in this process's running to
+    the core (``on_stall(now, gap)``: the endpoint's ``stalled()``; docs/runtime.md,
+    "Stalls"). A ticker beats every ``limit / 5``; the pump also calls
+    :meth:`check` before it feeds each frame, so a frame read during a gap
+    comes after its report. ``dropped``: frames the core dropped for a stall."""
 
     def __init__(
-        self,
-        limit: float,
-        clock: Callable[[], float],
-        on_stall: Callable[[float, float], None] = lambda now, gap: None,
+        self, limit: float, clock: Callable[[], float], on_stall: Callable[[float, float], None]
     ) -> None:
         self.limit = limit
         self._clock = clock
@@ -205,12 +189,9 @@ class StallWatch:
 
 def _check_transit_budget(channel: object, stall_limit: float, max_transit: float) -> None:
     """Raise :class:`ConfigError` unless the channel's ``max_age`` and
-    ``stall_limit`` are each at most ``max_transit / 2`` (docs/runtime.md,
-    "The transit budget"). A frame ages in the *sender's* queue, then waits out
-    a stall of the *reader*: the pair's budget is one side's ``max_age`` plus
-    the other side's ``stall_limit``, so each side keeps to its half (two sides
-    that each fit a sum could still break it across). A channel without
-    ``max_age`` (a test double, a wrapper) is not checked."""
+    ``stall_limit`` are each at most ``max_transit / 2``: one side's
+    ``max_age`` and the *other* side's ``stall_limit`` add up (docs/runtime.md,
+    "The transit budget"). A channel without ``max_age`` is not checked."""
     max_age = getattr(channel, "max_age", None)
     half = max_transit / 2
     if isinstance(max_age, (int, float)) and (max_age > half or stall_limit > half):
@@ -223,17 +204,10 @@ def _check_transit_budget(channel: object, stall_limit: float, max_transit: floa
 
 class EndpointRuntime(Generic[E]):
     """Runs one core endpoint on anyio. Call :meth:`run` in a task group;
-    feed inputs through the role's methods, from any thread.
-
-    Threads. The core is fed under :attr:`lock`, by the loop (frames, timers,
-    the data plane's results) and by any other thread that calls a role
-    method (``reserve``, ``kv_ready``, :meth:`feed`, ...) or
-    :meth:`events_nowait`. Such a call runs the core on the caller's thread
-    and drains it there: its writes and reads reach the data plane and its
-    events the queue before the call returns; only its control frames wait
-    for the loop (the channel is the loop's), which is woken to send them and
-    re-arm its timer. So a caller never waits for the loop's thread, only for
-    the lock, which every holder keeps for one core call.
+    feed inputs through the role's methods, from any thread: such a call runs
+    and drains the core on the caller's thread under :attr:`lock`, and only
+    its control frames wait for the loop (docs/runtime.md, "How the pump
+    keeps time and wakes up").
 
     ``stall_limit`` (default ``timing.max_transit / 2``) and the channel's
     ``max_age`` share the endpoint's ``max_transit``: either over its half
@@ -281,15 +255,13 @@ class EndpointRuntime(Generic[E]):
         if dataplane is not None:
             dataplane.bind(self.post_results)
 
-    # --- running -----------------------------------------------------------------
-
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Pump until cancelled."""
         self._loop_thread = threading.get_ident()
         self.native_id = threading.get_native_id()
-        with _Wakeup() as wakeup:
+        with contextlib.closing(_Wakeup()) as wakeup:
             self._wakeup = wakeup
             wakeup.set()  # results (and core calls) queued before we ran
             if self.dataplane is not None:
@@ -318,13 +290,11 @@ class EndpointRuntime(Generic[E]):
 
     def kick(self) -> None:
         """After any input: drain the endpoint's outputs, and wake the timer
-        task if the endpoint's next deadline is now earlier than the one it
-        sleeps towards (a later one it finds when it wakes: one wake-up per
-        deadline, not per input). Off the loop's thread the drain happens
-        here, and the loop is woken only if it has work: frames to send, an
-        earlier deadline to arm, an event for a task in :meth:`next_events`
-        (the channel, the timer and anyio's events are the loop's). A wake-up
-        for nothing would cost the caller's process a GIL handoff."""
+        task only if the next deadline is now earlier than the one it sleeps
+        towards (a later one it finds when it wakes). Off the loop's thread
+        the loop is woken only if it has work (frames, an earlier deadline, an
+        event for :meth:`next_events`): a wake-up for nothing costs a GIL
+        handoff."""
         with self.lock:
             self._drain()
             deadline = self.endpoint.next_deadline()
@@ -356,15 +326,22 @@ class EndpointRuntime(Generic[E]):
                 if self.dataplane is not None:
                     self.dataplane.cancel(out)
             else:
-                if isinstance(out, PeerReady) and self.dataplane is not None:
-                    self._add_peer(out.peer)
-                if isinstance(out, (Ready, Released)) and self.dataplane is not None:
-                    # Before anyone hears of it: no scatter into its blocks after.
-                    self.dataplane.unstage(out.transfer_id, out.epoch)
-                self._events.append(out)
-                if self._on_event is not None:
-                    self._on_event(out)
-                self._events_waiting.set()
+                self._event(out)
+
+    def _event(self, event: Event) -> None:
+        dp = self.dataplane
+        if isinstance(event, PeerReady) and dp is not None:
+            hello = self.endpoint.peer(event.peer).hello
+            assert hello is not None
+            ranks = {i: decode_rank(blob) for i, blob in enumerate(hello.ranks)}
+            dp.add_peer(PeerRanks(event.peer, ranks, hello.tp))
+        if isinstance(event, (Ready, Released)) and dp is not None:
+            # Before anyone hears of it: no scatter into its blocks after.
+            dp.unstage(event.transfer_id, event.epoch)
+        self._events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
+        self._events_waiting.set()
 
     def _flush(self) -> None:
         """The loop's thread: hand the queued frames to the channel, in order,
@@ -402,14 +379,6 @@ class EndpointRuntime(Generic[E]):
             return False
         return True
 
-    def _add_peer(self, peer: str) -> None:
-        hello = self.endpoint.peer(peer).hello
-        assert hello is not None and self.dataplane is not None
-        ranks = {i: decode_rank(blob) for i, blob in enumerate(hello.ranks)}
-        self.dataplane.add_peer(PeerRanks(peer, ranks, hello.tp))
-
-    # --- events for the caller ---------------------------------------------------
-
     def events_nowait(self) -> list[Event]:
         """Every event so far, oldest first (and forget them); any thread. A
         :class:`Ready` comes with its timeline's ``delivered`` set to now: the
@@ -443,39 +412,36 @@ class EndpointRuntime(Generic[E]):
         self._events_waiting.wait(timeout)
         return self.events_nowait()
 
-    # --- the loops ---------------------------------------------------------------------
-
     async def _channel_loop(self) -> None:
         async for ev in self.channel.events():
             if isinstance(ev, Received):
-                self.watch.check()  # a gap ending now reaches the core first
-                if isinstance(ev.message, Hello) and not self._usable(ev.peer, ev.message):
-                    continue
-                endpoint = self.endpoint
-                with self.lock:
-                    before = endpoint.stall_dropped
-                    endpoint.receive(self.now(), ev.peer, ev.message)
-                    dropped = endpoint.stall_dropped != before
-                if dropped:  # the core's stall rule
-                    self.watch.dropped += 1
-                    msg = ev.message
-                    log.warning(
-                        "dropped %s of %s epoch %d from %s: this process was stalled, the "
-                        "frame may be older than its lease (max_transit)",
-                        type(msg).__name__,
-                        getattr(msg, "transfer_id", "?"),
-                        getattr(msg, "epoch", -1),
-                        ev.peer,
-                    )
+                self._received(ev)
             elif isinstance(ev, PeerLost):
-                with self.lock:
-                    self.endpoint.peer_lost(self.now(), ev.peer)
+                self._input(self.endpoint.peer_lost, ev.peer)
             elif isinstance(ev, PeerConnected):
-                with self.lock:
-                    self.endpoint.connection_up(self.now(), ev.peer)
-            else:  # Garbage: the channel counted and logged it
-                continue
-            self.kick()
+                self._input(self.endpoint.connection_up, ev.peer)
+            # else Garbage: the channel counted and logged it
+
+    def _received(self, ev: Received) -> None:
+        self.watch.check()  # a gap ending now reaches the core first
+        msg = ev.message
+        if isinstance(msg, Hello) and not self._usable(ev.peer, msg):
+            return
+        with self.lock:
+            before = self.endpoint.stall_dropped
+            self.endpoint.receive(self.now(), ev.peer, msg)
+            dropped = self.endpoint.stall_dropped != before
+        if dropped:  # the core's stall rule
+            self.watch.dropped += 1
+            log.warning(
+                "dropped %s of %s epoch %d from %s: this process was stalled, the "
+                "frame may be older than its lease (max_transit)",
+                type(msg).__name__,
+                getattr(msg, "transfer_id", "?"),
+                getattr(msg, "epoch", -1),
+                ev.peer,
+            )
+        self.kick()
 
     async def _timer_loop(self) -> None:
         while True:
@@ -503,10 +469,7 @@ class EndpointRuntime(Generic[E]):
         """Feed data-plane results into the core now, on the caller's thread
         (a stand-in data plane whose results reach its owner's thread, like
         the vLLM connector's workers at the end of an engine step)."""
-        with self.lock:
-            now = self.now()
-            for r in results:
-                self._feed_one(now, r)
+        self._feed_batch(results)
         self.kick()
 
     def post_results(self, results: list[Result]) -> None:
@@ -523,14 +486,27 @@ class EndpointRuntime(Generic[E]):
                 batch = self._results.get_nowait()
             except queue.Empty:
                 break
-            with self.lock:
-                now = self.now()
-                for r in batch:
-                    self._feed_one(now, r)
+            self._feed_batch(batch)
         self.kick()
+
+    def _feed_batch(self, results: list[Result]) -> None:
+        with self.lock:
+            now = self.now()
+            for r in results:
+                self._feed_one(now, r)
 
     def _feed_one(self, now: float, r: Result) -> None:
         raise NotImplementedError
+
+    def _input(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call a role method of the endpoint (``now`` first) under the lock, then kick."""
+        with self.lock:
+            result = method(self.now(), *args, **kwargs)
+        self.kick()
+        return result
+
+    def abort(self, transfer_id: str) -> bool:
+        return self._input(self.endpoint.abort, transfer_id)
 
 
 class ProducerRuntime(EndpointRuntime[Producer]):
@@ -538,15 +514,7 @@ class ProducerRuntime(EndpointRuntime[Producer]):
 
     def kv_ready(self, transfer_id: str, blocks: list[list[int]], *, final: bool = True) -> None:
         """``final=False``: an increment (progressive push, see ``Producer.kv_ready``)."""
-        with self.lock:
-            self.endpoint.kv_ready(self.now(), transfer_id, blocks, final=final)
-        self.kick()
-
-    def abort(self, transfer_id: str) -> bool:
-        with self.lock:
-            known = self.endpoint.abort(self.now(), transfer_id)
-        self.kick()
-        return known
+        self._input(self.endpoint.kv_ready, transfer_id, blocks, final=final)
 
     def _feed_one(self, now: float, r: Result) -> None:
         if isinstance(r, OpResult) and isinstance(r.action, StartWrite):
@@ -562,9 +530,7 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
     """A consumer endpoint on anyio."""
 
     def connect(self, peer: str) -> None:
-        with self.lock:
-            self.endpoint.connect(self.now(), peer)
-        self.kick()
+        self._input(self.endpoint.connect, peer)
 
     def reserve(
         self,
@@ -596,10 +562,7 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
         return result
 
     def preempt(self, transfer_id: str) -> bool:
-        with self.lock:
-            done = self.endpoint.preempt(self.now(), transfer_id)
-        self.kick()
-        return done
+        return self._input(self.endpoint.preempt, transfer_id)
 
     def keep(self, transfer_id: str, peer: str) -> bool:
         """Ask producer ``peer`` to keep the ready KV of ``transfer_id``
@@ -616,24 +579,12 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
     def decline(self, transfer_id: str, peer: str) -> bool:
         """Tell producer ``peer`` to release the ready KV of ``transfer_id`` now
         (:meth:`Consumer.decline`); False, nothing sent, without a handshake."""
-        with self.lock:
-            sent = self.endpoint.decline(self.now(), transfer_id, peer)
-        self.kick()
-        return sent
+        return self._input(self.endpoint.decline, transfer_id, peer)
 
     def peer_gone(self, peer: str) -> int:
         """The caller knows producer ``peer``'s process is gone
         (:meth:`Consumer.peer_gone`)."""
-        with self.lock:
-            n = self.endpoint.peer_gone(self.now(), peer)
-        self.kick()
-        return n
-
-    def abort(self, transfer_id: str) -> bool:
-        with self.lock:
-            done = self.endpoint.abort(self.now(), transfer_id)
-        self.kick()
-        return done
+        return self._input(self.endpoint.peer_gone, peer)
 
     def _feed_one(self, now: float, r: Result) -> None:
         if isinstance(r, NoticeIn):

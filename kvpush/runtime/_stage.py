@@ -1,27 +1,11 @@
 """Staged transfers: gather into one span, move it, scatter on arrival.
 
-A transport pays for every descriptor it posts: on one H200, UCX's cuda_ipc
-costs about 8.6 us per put whatever its size, so a 16 KiB KV block moves at
-0.3% of the device's copy speed however well the planner merges runs. A
-*staged* write gathers the route's pieces into the producer's staging pool
-(one local copy), writes them as one descriptor per contiguous span into the
-consumer's staging slot, and the consumer scatters them into its blocks before
-the completion counts (docs/layouts.md, "Staged transfers").
-
-The *image*: where each byte of a consumer rank's registration sits in its
-slot. It depends on the consumer's layout, the registration's block counts and
-the route only, so both sides compute it alone. Per consumer rank, the slot
-holds one plane per KV head the rank holds (``PH`` bytes: every region's
-capacity for one head); a route's heads ``[h0, h0 + hn)`` own planes
-``h0 - H0 ..``, and within them the regions follow in the consumer's order,
-each its chunks in token order, each chunk its template pieces in destination
-order. Routes of distinct heads, or of distinct PP stages (distinct regions),
-never share a byte; a whole route is one span. The slot is exactly the bytes
-of the registration's blocks on that rank (:func:`stage_bytes`).
-
-Which way a transfer goes is the :class:`CostModel`'s call, per write, from
-measured per-descriptor and per-byte costs of the transport and of the copy
-(:class:`Copier`); the data plane reports it with the op's stamps.
+Why and how (the slot image, ownership, the cost model, the copiers):
+docs/layouts.md, "Staged transfers". This module holds the pure parts: the
+image (:func:`staged_pieces`: where each byte of a consumer rank's
+registration sits in its slot, computed alone by each side from the
+consumer's layout, the block counts and the route), the :class:`CostModel`
+and the host :class:`Copier`.
 """
 
 from __future__ import annotations
@@ -38,7 +22,7 @@ from numpy.typing import NDArray
 
 from kvpush.protocol import KVLayout, Role
 
-from ._plan import TransferPlanner, chunk_span
+from ._plan import TransferPlanner, chunk_span, merge_runs, rows
 
 __all__ = (
     "Copier",
@@ -86,13 +70,9 @@ class Staged:
         """``(image offset, compact offset, length)`` of each contiguous run
         of the image (the compact buffer holds the pieces back to back)."""
         lens = self.kv[:, 1].astype(np.int64)
-        if not lens.size:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty
-        compact = np.concatenate(([0], np.cumsum(lens)[:-1]))
-        joins = self.image[1:] == self.image[:-1] + lens[:-1]
-        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-        return self.image[starts], compact[starts], np.add.reduceat(lens, starts)
+        compact = np.cumsum(lens) - lens
+        image, compact, lens = merge_runs(lens, self.image, compact)
+        return image, compact, lens
 
 
 def staged_pieces(
@@ -137,13 +117,9 @@ def staged_pieces(
             dtype=np.int64,
         )
         offs = (j[:, None] * int(lengths.sum()) + pos[None, :]).reshape(-1)
-        n = offs.size
+        tiled = np.tile(lengths, j.size)
         for k in range(cls.regions.size):
-            rows = np.empty((n, 3), dtype=np.uint64)
-            rows[:, 0] = local + sd.base[k]
-            rows[:, 1] = np.tile(lengths, j.size).astype(np.uint64)
-            rows[:, 2] = sd.dev[k]
-            kv.append(rows)
+            kv.append(rows(local + sd.base[k], tiled, sd.dev[k]))
             image.append(offs + starts[k])
     if not kv:
         return Staged(np.zeros((0, 3), dtype=np.uint64), np.zeros(0, dtype=np.int64))
@@ -199,15 +175,13 @@ def scatter_chunks(
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Seconds one op costs, direct or staged, from measured coefficients.
+    """Seconds one op costs, direct or staged, from measured coefficients
+    (the formulas: docs/layouts.md, "Staged transfers").
 
     ``post``: per op posted; ``row``: per descriptor row the transport moves;
     ``wire_byte``: per byte on the wire; ``copy_row`` and ``copy_byte``: per
-    row and per byte of one local copy (:class:`Copier`; a staged op makes
-    two, the gather on the producer and the scatter on the consumer). Direct:
-    ``post + rows * row + bytes * wire_byte``. Staged: ``post + spans * row +
-    bytes * wire_byte + (gather + scatter rows) * copy_row + 2 * bytes *
-    copy_byte``. ``margin``: staging must win by this factor (it holds slots).
+    row and per byte of one local copy (a staged op makes two: the gather and
+    the scatter). ``margin``: staging must win by this factor (it holds slots).
     """
 
     post: float
@@ -282,7 +256,8 @@ class HostCopier:
         if uniform and length % 8 == 0 and _consecutive(src, length):
             self._scatter(int(src[0, 0]), dst[:, 0].astype(np.int64), length)
             return
-        s, d, lengths = _merge(src, dst)
+        as_int = (src[:, 1], src[:, 0], dst[:, 0])
+        s, d, lengths = merge_runs(*(a.astype(np.int64) for a in as_int))
         for a, b, k in zip(d.tolist(), s.tolist(), lengths.tolist(), strict=True):
             ctypes.memmove(a, b, k)
 
@@ -304,14 +279,3 @@ class HostCopier:
 def _consecutive(rows: U64, length: int) -> bool:
     """Whether the rows follow each other in one run of memory."""
     return bool((np.diff(rows[:, 0].astype(np.int64)) == length).all())
-
-
-def _merge(src: U64, dst: U64) -> tuple[I64, I64, I64]:
-    """Rows contiguous on both sides joined: (source, destination, length)."""
-    s, d = src[:, 0].astype(np.int64), dst[:, 0].astype(np.int64)
-    lens = src[:, 1].astype(np.int64)
-    if s.size < 2:
-        return s, d, lens
-    joins = (s[1:] == s[:-1] + lens[:-1]) & (d[1:] == d[:-1] + lens[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return s[starts], d[starts], np.add.reduceat(lens, starts)

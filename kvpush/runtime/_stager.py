@@ -1,24 +1,12 @@
 """The data plane's staging: which writes go staged, their slots, the scatters.
 
 Owned by one :class:`~kvpush.runtime.DataPlane`; every method but
-:meth:`Stager.stage` and :meth:`Stager.unstage` runs on its thread.
-
-Producer side: :meth:`Stager.write` decides per write (the
-:class:`~kvpush.runtime._stage.CostModel`), borrows a slot of the rank's own
-pool (released by :meth:`Stager.settled` when the write settles, never
-before: the transport reads it until then), gathers into it and returns the
-span rows to post. An increment of a progressive source goes the way its
-epoch's first went, or in place once the pool is short: the notice then names
-the staged prefix, so the consumer scatters exactly what sits in its slot.
-
-Consumer side: the slot is the core's (``Reserved.stage``); the runtime
-records each reservation's blocks here (:meth:`Stager.stage`) and drops the
-record before the core's ``Ready`` or ``Released`` reaches anyone
-(:meth:`Stager.unstage`, which waits for a scatter under way). A staged
-notice is scattered only while its record exists, under the same lock, so
-nothing is ever scattered into blocks the reservation no longer owns. A
-notice that arrives before its record (the registration raced the runtime)
-waits for it, at most ``park_for`` seconds.
+:meth:`Stager.stage` and :meth:`Stager.unstage` runs on its thread. The rules
+(a producer's slot is lent until its write settles; a progressive epoch's
+notice names the staged prefix; a consumer scatters only under its
+reservation's record, which is dropped before ``Ready`` or ``Released``
+reaches anyone; a notice before its record waits ``park_for`` seconds):
+docs/layouts.md, "Staged transfers".
 """
 
 from __future__ import annotations
@@ -42,7 +30,7 @@ from kvpush.protocol import (
     StartWrite,
 )
 
-from ._plan import TransferPlan, TransferPlanner
+from ._plan import TransferPlan, TransferPlanner, rows
 from ._stage import (
     TRANSPORT_COSTS,
     Copier,
@@ -106,6 +94,8 @@ class Stager:
             for i, layout in layouts.items()
             if copier is not None and layout.staging is not None
         }
+        #: Whether this side can stage at all (a copier and a pool).
+        self.enabled = bool(self._pools)
         self._bases = {i: layouts[i].staging.base for i in self._pools}  # type: ignore[union-attr]
         self._layouts = layouts
         #: Producer, progressive epochs: (transfer, epoch, route) -> (the tokens
@@ -141,20 +131,14 @@ class Stager:
             return
         n = half // PROBE_ROW
         order = np.random.default_rng(0).permutation(n).astype(np.uint64)
-        src = np.empty((n, 3), dtype=np.uint64)
-        src[:, 0] = pool.base + order * PROBE_ROW
-        src[:, 1], src[:, 2] = PROBE_ROW, pool.device
-        dst = src.copy()
-        dst[:, 0] = pool.base + half + np.arange(n, dtype=np.uint64) * PROBE_ROW
+        src = rows(pool.base + order * PROBE_ROW, PROBE_ROW, pool.device)
+        dst = rows(
+            pool.base + half + np.arange(n, dtype=np.uint64) * PROBE_ROW, PROBE_ROW, pool.device
+        )
         row, byte = calibrate(self.copier, src, dst)
         post, per_row, wire = TRANSPORT_COSTS[pool.memory.value]
         self.costs = CostModel(post, per_row, wire, copy_row=row, copy_byte=byte)
         log.info("staging cost model: %s", self.costs)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether this side can stage at all (a copier and a pool)."""
-        return bool(self._pools)
 
     def pool_used(self) -> int:
         """Bytes of the local pools lent to writes in flight now."""
@@ -165,8 +149,6 @@ class Stager:
         if not self.enabled or len(self._pools) != len(self._layouts):
             return 0
         return max(stage_bytes(layout, blocks) for layout in self._layouts.values())
-
-    # --- producer -------------------------------------------------------------------
 
     def write(
         self,
@@ -266,30 +248,21 @@ class Stager:
             return None
         base = self._bases[index] + slot[0]
         dev = int(pieces.kv[0, 2])
-        local = np.empty_like(pieces.kv)
-        local[:, 0] = base + np.concatenate(([0], np.cumsum(pieces.kv[:-1, 1]))).astype(np.uint64)
-        local[:, 1] = pieces.kv[:, 1]
-        local[:, 2] = dev
+        sizes = pieces.kv[:, 1]
         try:
-            self.copier.copy(pieces.kv, local)
+            self.copier.copy(pieces.kv, rows(base + (np.cumsum(sizes) - sizes), sizes, dev))
         except Exception:
             self._pools[index].give(slot)
             raise
-        src = np.empty((lengths.size, 3), dtype=np.uint64)
-        src[:, 0] = base + compact.astype(np.uint64)
-        src[:, 1] = lengths.astype(np.uint64)
-        src[:, 2] = dev
-        dst = np.empty_like(src)
-        dst[:, 0] = remote.staging.base + offset + at.astype(np.uint64)
-        dst[:, 1] = src[:, 1]
-        dst[:, 2] = remote.staging.device
+        src = rows(base + compact.astype(np.uint64), lengths, dev)
+        dst = rows(
+            remote.staging.base + offset + at.astype(np.uint64), lengths, remote.staging.device
+        )
         return reach, StagedWrite(src, dst, (index, *slot), nbytes)
 
     def settled(self, slot: tuple[int, int, int]) -> None:
         """A staged write settled: its borrowed slot is free again."""
         self._pools[slot[0]].give(slot[1:])
-
-    # --- consumer -------------------------------------------------------------------
 
     def stage(self, key: Key, blocks: Sequence[Sequence[int]], slot: tuple[int, ...]) -> None:
         """Record a reservation's blocks and slot (any thread)."""
@@ -328,11 +301,8 @@ class Stager:
             ends = pieces.image + pieces.kv[:, 1].astype(np.int64)
             if int(ends.max()) > rec.slot[1]:
                 return "the staged bytes overrun the slot"
-            src = np.empty_like(pieces.kv)
-            src[:, 0] = layout.staging.base + rec.slot[0] + pieces.image.astype(np.uint64)
-            src[:, 1] = pieces.kv[:, 1]
-            src[:, 2] = layout.staging.device
-            self.copier.copy(src, pieces.kv)
+            at = layout.staging.base + rec.slot[0] + pieces.image.astype(np.uint64)
+            self.copier.copy(rows(at, pieces.kv[:, 1], layout.staging.device), pieces.kv)
             rec.done.add((notice.source, notice.consumer_rank))
             self.scatters += 1
         return None

@@ -1,21 +1,14 @@
 """The data-plane transport interface the runtime drives (one object per rank).
 
-Implementations live a layer up, each in its own package, and register
-themselves under the ``kvpush.transports`` entry-point group
-(:func:`~kvpush.runtime.transport_kind`): ``shm``,
-:class:`~kvpush.shm.ShmTransport` (shared memory, processes on one machine)
-and ``nixl``, the NIXL adapter (``kvpush_nixl``). The runtime calls every
-method from ONE thread (its background writer thread), so implementations
-need no locking of their own.
-
-Descriptors are the planner's ``(N, 3)`` uint64 arrays of ``(address, length,
-device id)`` rows (:class:`~kvpush.runtime.TransferPlan`). Completion notices
-are opaque bytes (the codec's compact :class:`~kvpush.protocol.Completion`
-encoding) that travel *with* the data: a notice is delivered to the target
-only after the bytes of its transfer are visible there, and after those of
-every write to the same agent that completed before it was posted (the
-producer posts the last increment of a progressive source, the one with the
-notice, only once the increments before it completed). ``b""``: no notice.
+Implementations live a layer up and register under the ``kvpush.transports``
+entry-point group (:func:`~kvpush.runtime.transport_kind`). The runtime calls
+every method from ONE thread (its data-plane thread), so implementations need
+no locking of their own. Descriptors are the planner's ``(N, 3)`` uint64 rows
+of ``(address, length, device id)``. A completion notice is opaque bytes that
+travel *with* the data: delivered only after the bytes of its transfer, and of
+every write to the same agent that completed before it was posted, are
+visible at the target (docs/runtime.md, "A commit's notice follows every
+increment"). ``b""``: no notice.
 """
 
 from __future__ import annotations

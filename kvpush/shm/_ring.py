@@ -1,28 +1,18 @@
 """POSIX shared-memory segments and the single-producer mailbox ring.
 
-Two building blocks of :class:`~kvpush.shm.ShmTransport`:
-
-* :class:`Segment`: one named POSIX shared-memory object, mapped whole, seen as
-  a ``uint8`` numpy array. It is opened with ``shm_open`` and ``mmap`` directly
-  rather than through :class:`multiprocessing.shared_memory.SharedMemory`, for
-  two reasons. (1) Before Python 3.13, *attaching* to a segment registers it
-  with the resource tracker, which then unlinks it (with a warning) when the
-  attaching process exits; the usual fix, unregistering right after attaching,
-  is wrong when the creator shares the tracker (the same process, or a
-  ``spawn`` child, which inherits its parent's tracker): the tracker keeps a
-  *set* of names, so the attacher's unregister also drops the creator's
-  registration. Here only the creator registers (so a crashed creator's
-  segment is still unlinked when the tracker exits) and attachments never do.
-  (2) ``SharedMemory.close`` raises :class:`BufferError` while numpy views of
-  its buffer are alive, also from ``__del__``; a :class:`Segment` whose views
-  are still held leaves the unmapping to the garbage collector instead.
-
-* :func:`check_rows` / :func:`copy_rows` / :func:`crc_rows`: descriptor rows
-  bounds-checked against a segment, copied, and checksummed.
-
-* :class:`RingWriter` / :class:`RingReader`: a single-producer single-consumer
-  byte ring in its own segment, owned (created and unlinked) by the writer.
-  Records are ``(sequence number, payload, CRC32 and destination rows)``.
+A :class:`Segment` is opened with ``shm_open`` and ``mmap`` directly rather
+than through :class:`multiprocessing.shared_memory.SharedMemory`, for two
+reasons. (1) Before Python 3.13, *attaching* to a segment registers it
+with the resource tracker, which then unlinks it (with a warning) when the
+attaching process exits; the usual fix, unregistering right after attaching,
+is wrong when the creator shares the tracker (the same process, or a
+``spawn`` child, which inherits its parent's tracker): the tracker keeps a
+*set* of names, so the attacher's unregister also drops the creator's
+registration. Here only the creator registers (so a crashed creator's
+segment is still unlinked when the tracker exits) and attachments never do.
+(2) ``SharedMemory.close`` raises :class:`BufferError` while numpy views of
+its buffer are alive, also from ``__del__``; a :class:`Segment` whose views
+are still held leaves the unmapping to the garbage collector instead.
 
 Memory ordering. The writer stores the transfer's data, then the record, then
 the 8-byte aligned ``write_pos`` index, each from one thread, in program order

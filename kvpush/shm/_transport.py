@@ -1,34 +1,17 @@
 """A :class:`~kvpush.runtime.Transport` over POSIX shared memory (one machine).
 
-Each rank owns one shared-memory *segment* holding its KV cache; addresses in
-its :class:`~kvpush.protocol.KVLayout` and in transfer plans are byte
-*offsets* into that segment, device id 0, memory type DRAM. A peer's segment
-is attached (mapped) by name from its :meth:`ShmTransport.metadata`, and a
-WRITE is one numpy slice copy per descriptor row, straight into the peer's
-memory, done before :meth:`ShmTransport.write` returns; :meth:`~ShmTransport.poll`
-then reports it as :class:`Completed`.
-
-Notices travel after the data in a *mailbox*: one single-producer
-single-consumer ring per (writer, target) pair, in its own segment, created
-by the writer in :meth:`~ShmTransport.add_peer` under a name the target can
-compute from the writer's metadata and its own identity, and attached by the
-target lazily (in its ``add_peer`` or a later ``poll``). The writer publishes
-a record only after the data copy and the record body are written (see
-``_ring`` for the memory-ordering argument). Each record carries a
-sequence number, checked by the target to rise by exactly one per ring (no
-loss, no reorder), and, with ``verify=True`` on the writer, the CRC32 of the
-bytes sent and the destination ``(offset, length)`` rows; a target with
-``verify=True`` recomputes the CRC over its own memory when it polls the
-notice. A mismatch means a notice overtook its data: :meth:`~ShmTransport.poll`
-raises :class:`TransportError` and the transport is failed for good (every
-later call but :meth:`~ShmTransport.close` raises). Verification assumes, as
-kvpush's protocol guarantees, that a transfer's destination blocks are not
-rewritten before the target has polled its notice.
-
-Error handling: every refusal is a :class:`TransportError`, raised before
-anything is copied (unknown or closed peer, a row outside either segment, a
-device id other than 0, mailbox full, a malformed peer metadata); misuse of
-the constructor is a :class:`~kvpush.protocol.ConfigError`.
+Each rank owns one segment holding its KV cache; layout addresses are byte
+offsets into it (DRAM, device 0). A WRITE is one numpy slice copy per row
+straight into the peer's attached segment, done before :meth:`ShmTransport.write`
+returns. Its notice follows in a *mailbox*: a single-producer ring per (writer,
+target) pair, created by the writer under a name the target computes from the
+writer's metadata and attaches lazily. Records carry a sequence number (no
+loss, no reorder) and, with ``verify=True``, the CRC32 of the bytes sent and
+their destination rows, which the target recomputes when it polls: a mismatch
+means a notice overtook its data (see ``_ring`` for the memory-ordering
+argument) and fails the transport for good. Verification relies on kvpush's
+guarantee that destination blocks are not rewritten before their notice is
+polled. Refusals are :class:`TransportError`, raised before anything is copied.
 """
 
 from __future__ import annotations
@@ -38,13 +21,13 @@ import math
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import msgpack
 
-from kvpush.protocol import MAX_ID_LEN, ConfigError, KVLayout, MemoryType
+from kvpush.protocol import MAX_ID_LEN, ConfigError, KVLayout, MemoryType, Region, Staging
 from kvpush.runtime import Completed, Descriptors, Notice, Transport, TransportError
 
 from ._ring import (
@@ -80,6 +63,8 @@ def _ring_name(prefix: str, target: str, instance: bytes) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _PeerInfo:
+    """The metadata's fields after ``kind`` and ``version``, in wire order."""
+
     agent: str
     instance: bytes
     segment: str
@@ -123,7 +108,6 @@ def _decode_metadata(data: bytes) -> _PeerInfo:
 class _Peer:
     info: _PeerInfo
     segment: Segment
-    #: Our mailbox to it (we own it) and its mailbox to us (once it exists).
     outbox: RingWriter
     inbox_name: str
     inbox: RingReader | None = None
@@ -141,42 +125,13 @@ class _Op:
 
 
 class ShmTransport:
-    """One rank's data plane over POSIX shared memory (see the module docs).
+    """One rank's data plane over POSIX shared memory; not thread-safe.
 
-    ``ShmTransport(agent, size)`` creates a segment of ``size`` bytes (named
-    ``name``, or a random ``kvp...`` name); ``create=False`` attaches to the
-    existing segment ``name`` instead (a leader driving transfers for memory a
-    rank process owns), and never unlinks it. ``verify`` turns on the CRC
-    check of every write, on both ends (it costs a CRC pass over the bytes on
-    each side); ``mailbox_bytes`` sizes each outgoing mailbox.
-
-    ``link_gbps`` models a link of that rate: every write and read takes its
-    turn on it (FIFO, one at a time), and its bytes are copied, its notice
-    posted and its completion reported only at the first :meth:`poll` after
-    its wire time has passed (``None``: copied at once, as fast as memory).
-
-    Not thread-safe: the runtime calls it from one thread. :meth:`close`
-    releases everything (also on ``with`` exit).
-    """
-
-    __slots__ = (
-        "_agent",
-        "_closed",
-        "_failed",
-        "_failure",
-        "_instance",
-        "_layout",
-        "_link_free",
-        "_mailbox_bytes",
-        "_next_handle",
-        "_peers",
-        "_posted",
-        "_queued",
-        "_rate",
-        "_ring_prefix",
-        "_segment",
-        "_verify",
-    )
+    Creates a segment of ``size`` bytes (``name``, or a random ``kvp...``);
+    ``create=False`` attaches to segment ``name`` and never unlinks it.
+    ``verify`` checks every write's CRC on both ends. ``link_gbps`` models a
+    link: ops take turns (FIFO) and each moves at the first :meth:`poll` after
+    its wire time (``None``: at once)."""
 
     def __init__(
         self,
@@ -224,7 +179,6 @@ class ShmTransport:
         self._failure: str | None = None
         self._rate = None if link_gbps is None else link_gbps * 1e9 / 8  # bytes/s
         self._link_free = 0.0
-        #: Rate-limited ops not yet on the far side: (due, handle, agent, op).
         self._queued: deque[tuple[float, int, str, _Op]] = deque()
 
     def __repr__(self) -> str:
@@ -245,8 +199,6 @@ class ShmTransport:
     ) -> None:
         self.close()
 
-    # --- properties ------------------------------------------------------------
-
     @property
     def agent(self) -> str:
         """This rank's transport name."""
@@ -264,9 +216,7 @@ class ShmTransport:
 
     @property
     def memory(self) -> U8:
-        """The whole KV segment as a writable ``uint8`` array (offsets are addresses).
-
-        Views taken from it keep the mapping alive after :meth:`close`."""
+        """The whole KV segment as a writable ``uint8`` array (offsets are addresses)."""
         self._check_open()
         return self._segment.array
 
@@ -279,35 +229,29 @@ class ShmTransport:
     def verify(self) -> bool:
         return self._verify
 
-    # --- Transport -------------------------------------------------------------
-
     def register(self, layout: KVLayout) -> None:
         """Check that every region of ``layout`` is DRAM, device 0, and inside
         the segment. A second call must pass an equal layout."""
         self._check_open()
         if not isinstance(layout, KVLayout):
             raise TransportError(f"register needs a KVLayout, got {type(layout).__name__}")
-        for r in layout.regions:
-            if r.memory is not MemoryType.DRAM or r.device != 0:
+        places: list[tuple[str, Region | Staging, int]] = [
+            (f"region {r.name}", r, r.base + r.extent) for r in layout.regions
+        ]
+        if layout.staging is not None:
+            st = layout.staging
+            places.append(("the staging pool", st, st.base + st.nbytes))
+        for what, where, end in places:
+            if where.memory is not MemoryType.DRAM or where.device != 0:
                 raise TransportError(
-                    f"region {r.name} is {r.memory.value} device {r.device}: shared memory "
+                    f"{what} is {where.memory.value} device {where.device}: shared memory "
                     "holds DRAM, device 0 only"
                 )
-            if r.base + r.extent > self._segment.size:
+            if end > self._segment.size:
                 raise TransportError(
-                    f"region {r.name} [{r.base}, {r.base + r.extent}) does not fit in the "
+                    f"{what} [{where.base}, {end}) does not fit in the "
                     f"{self._segment.size}-byte segment {self._segment.name!r}"
                 )
-        st = layout.staging
-        if st is not None and (
-            st.memory is not MemoryType.DRAM
-            or st.device != 0
-            or st.base + st.nbytes > self._segment.size
-        ):
-            raise TransportError(
-                f"the staging pool [{st.base}, {st.base + st.nbytes}) must be DRAM, device 0, "
-                f"inside the {self._segment.size}-byte segment {self._segment.name!r}"
-            )
         if self._layout is not None and self._layout != layout:
             raise TransportError("a different KV layout is already registered")
         self._layout = layout
@@ -315,18 +259,10 @@ class ShmTransport:
     def metadata(self) -> bytes:
         """msgpack: agent, instance nonce, segment name and size, mailbox prefix."""
         self._check_open()
-        packed: bytes = msgpack.packb(
-            {
-                "kind": _META_KIND,
-                "version": _META_VERSION,
-                "agent": self._agent,
-                "instance": self._instance,
-                "segment": self._segment.name,
-                "size": self._segment.size,
-                "rings": self._ring_prefix,
-            },
-            use_bin_type=True,
-        )
+        seg = self._segment
+        info = _PeerInfo(self._agent, self._instance, seg.name, seg.size, self._ring_prefix)
+        head = {"kind": _META_KIND, "version": _META_VERSION}
+        packed: bytes = msgpack.packb({**head, **asdict(info)}, use_bin_type=True)
         return packed
 
     def add_peer(self, metadata: bytes, layout: KVLayout | None = None) -> str:
@@ -404,8 +340,7 @@ class ShmTransport:
         nbytes = int(op.local[:, 1].sum()) if op.local.shape[0] else 0
         due = max(time.monotonic(), self._link_free) + nbytes / self._rate
         self._link_free = due
-        handle = self._next_handle
-        self._next_handle += 1
+        handle = self._new_handle()
         self._queued.append((due, handle, agent, op))
         return handle
 
@@ -480,8 +415,6 @@ class ShmTransport:
         self._segment.unlink()
         self._segment.close()
 
-    # --- internals -------------------------------------------------------------
-
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError(f"transport {self._agent!r} is closed")
@@ -512,10 +445,13 @@ class ShmTransport:
         return rows_a, rows_b
 
     def _post(self, agent: str) -> int:
-        handle = self._next_handle
-        self._next_handle += 1
+        handle = self._new_handle()
         self._posted[handle] = agent
         return handle
+
+    def _new_handle(self) -> int:
+        self._next_handle += 1
+        return self._next_handle - 1
 
     def _drop(self, peer: _Peer, reason: str) -> None:
         agent = peer.info.agent
@@ -532,7 +468,4 @@ class ShmTransport:
         peer.segment.close()
 
 
-if TYPE_CHECKING:
-
-    def _is_a_transport(t: ShmTransport) -> Transport:  # mypy checks the Protocol
-        return t
+_IS_A_TRANSPORT: type[Transport] = ShmTransport  # mypy checks the Protocol

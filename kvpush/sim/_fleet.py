@@ -166,7 +166,7 @@ class Fleet:
 
     def flow_work(self, blocks: int, ndesc: int) -> float:
         hw = self.s.hardware
-        nbytes = blocks * self.model.block_tokens * self.model.kv_bytes_per_token
+        nbytes = blocks * self.model.tokens_per_block * self.model.kv_bytes_per_token
         return nbytes / hw.nic_bytes_per_s() + ndesc * hw.wire_op_us / 1e6
 
     def tokenize_s(self, tokens: int) -> float:

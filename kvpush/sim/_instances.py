@@ -104,7 +104,7 @@ class PrefillInstance:
             self.busy_s += seconds
             fleet.loop.after(seconds, functools.partial(self._done, r, blocks))
             if fleet.progressive:  # each chunk's whole blocks, as they are computed
-                bt = fleet.model.block_tokens
+                bt = fleet.model.tokens_per_block
                 for tokens, at in fleet.prefill_chunks(r.input_tokens)[:-1]:
                     part = blocks[: tokens // bt]
                     if part:

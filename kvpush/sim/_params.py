@@ -10,11 +10,12 @@ results.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from kvpush.protocol import ConfigError, build_options, check_options, option
 
 __all__ = (
     "Control",
@@ -29,6 +30,9 @@ __all__ = (
 )
 
 
+T = TypeVar("T")
+
+
 class ScenarioError(ValueError):
     """A scenario file or an override is missing, malformed or out of range."""
 
@@ -37,14 +41,17 @@ class ScenarioError(ValueError):
 class Model:
     """The served model's shape (what KV bytes and FLOPs follow from)."""
 
-    name: str
-    params_b: float
-    layers: int
-    kv_heads: int
-    q_heads: int
-    head_dim: int
-    dtype_bytes: int
-    block_tokens: int
+    name: str = option()
+    params_b: float = option(low=0)
+    layers: int = option(low=0)
+    kv_heads: int = option(low=0)
+    q_heads: int = option(low=0)
+    head_dim: int = option(low=0)
+    dtype_bytes: int = option(low=0)
+    tokens_per_block: int = option(low=1)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -68,35 +75,36 @@ class Model:
         return dense + 4.0 * self.layers * pairs * self.q_heads * self.head_dim
 
     def blocks(self, tokens: int) -> int:
-        return -(-tokens // self.block_tokens)
+        return -(-tokens // self.tokens_per_block)
 
 
 @dataclass(frozen=True, slots=True)
 class Hardware:
     """One instance's accelerators and its network interface."""
 
-    tp: int
-    peak_tflops: float
-    prefill_mfu: float
-    prefill_fixed_ms: float
-    prefill_cached_fraction: float
-    hbm_tb_s: float
-    hbm_efficiency: float
-    hbm_gb: float
-    kv_memory_fraction: float
-    decode_fixed_ms: float
-    decode_per_seq_ms: float
-    nic_gbit_s: float
-    nic_efficiency: float
-    transfer_latency_us: float
-    wire_op_us: float
+    tp: int = option(low=1)
+    peak_tflops: float = option(low=0)
+    prefill_mfu: float = option(above=0)
+    prefill_fixed_ms: float = option(low=0)
+    prefill_cached_fraction: float = option(low=0)
+    hbm_tb_s: float = option(low=0)
+    hbm_efficiency: float = option(above=0)
+    hbm_gb: float = option(low=0)
+    kv_memory_fraction: float = option(low=0)
+    decode_fixed_ms: float = option(low=0)
+    decode_per_seq_ms: float = option(low=0)
+    nic_gbit_s: float = option(low=0)
+    nic_efficiency: float = option(above=0)
+    transfer_latency_us: float = option(low=0)
+    wire_op_us: float = option(low=0)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     def prefill_s(self, model: Model, tokens: int) -> float:
         return self.prefill_chunks(model, tokens, tokens)[-1][1]
 
-    def prefill_chunks(
-        self, model: Model, tokens: int, chunk: int
-    ) -> list[tuple[int, float]]:
+    def prefill_chunks(self, model: Model, tokens: int, chunk: int) -> list[tuple[int, float]]:
         """(tokens computed, seconds since the prefill began) at the end of each
         chunk of ``chunk`` tokens: the cached prefix first (free), then the rest
         in chunks, the fixed cost paid once before the first. The last entry is
@@ -126,7 +134,7 @@ class Hardware:
         free = self.hbm_gb * 1e9 * self.tp * self.kv_memory_fraction - model.weight_bytes
         if free <= 0:
             raise ScenarioError("the model does not fit: no memory left for KV")
-        return int(free // (model.kv_bytes_per_token * model.block_tokens))
+        return int(free // (model.kv_bytes_per_token * model.tokens_per_block))
 
     def nic_bytes_per_s(self) -> float:
         """Effective bytes per second of one instance's NICs (all ranks)."""
@@ -137,41 +145,50 @@ class Hardware:
 class Control:
     """Control-path costs: descriptor preparation, hops, tokenisation."""
 
-    prep_fixed_ms: float
-    prep_per_desc_us: float
-    desc_regions: int
-    merge_push: bool
-    merge_bg_pull: bool
-    hop_ms: float
-    frontend_ms: float
-    control_latency_ms: float
-    tokenize_us_per_token: float
+    prep_fixed_ms: float = option(low=0)
+    prep_per_desc_us: float = option(low=0)
+    desc_regions: int = option(low=0)
+    merge_push: bool = option()
+    merge_bg_pull: bool = option()
+    hop_ms: float = option(low=0)
+    frontend_ms: float = option(low=0)
+    control_latency_ms: float = option(low=0)
+    tokenize_us_per_token: float = option(low=0)
     #: Progressive push: the prefill's chunk (tokens per ``kv_ready(final=False)``).
-    chunk_tokens: int = 8192
+    chunk_tokens: int = option(8192, low=1)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass(frozen=True, slots=True)
 class FleetParams:
     """Sizes and routing."""
 
-    prefill: int
-    decode: int
-    output_tokens: int
-    router: str  # "auto", "sequential" or "concurrent"
+    prefill: int = option(low=1, high=1024)
+    decode: int = option(low=1, high=1024)
+    output_tokens: int = option(low=1)
+    router: str = option(choices=("auto", "sequential", "concurrent"))
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass(frozen=True, slots=True)
 class Faults:
     """Fault injection; all off by default (rates 0, times < 0)."""
 
-    preempt_per_s: float = 0.0
-    requeue_ms: float = 5.0
-    kill_prefill_at_s: float = -1.0
-    restart_after_s: float = 5.0
-    detect_s: float = 0.5
-    slow_link_at_s: float = -1.0
-    slow_link_for_s: float = 5.0
-    slow_link_factor: float = 10.0
+    preempt_per_s: float = option(0.0, low=0)
+    requeue_ms: float = option(5.0, low=0)
+    kill_prefill_at_s: float = option(-1.0)
+    restart_after_s: float = option(5.0, low=0)
+    detect_s: float = option(0.5, low=0)
+    slow_link_at_s: float = option(-1.0)
+    slow_link_for_s: float = option(5.0, low=0)
+    slow_link_factor: float = option(10.0, low=0)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,35 +211,13 @@ class Scenario:
         return replace(self, control=replace(self.control, **changes))
 
 
-def _build(cls: type[Any], name: str, raw: object) -> Any:
+def _build(cls: type[T], name: str, raw: object) -> T:
     if not isinstance(raw, dict):
         raise ScenarioError(f"section {name!r} must be an object")
-    values: dict[str, Any] = {}
-    known = {f.name: f for f in fields(cls)}
-    for key, entry in raw.items():
-        if key.startswith("_"):
-            continue  # comments and sources
-        if key not in known:
-            raise ScenarioError(f"unknown key {name}.{key}")
-        value = entry["value"] if isinstance(entry, dict) else entry
-        expected = known[key].type
-        if expected in ("int", int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif expected in ("float", float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = ok and math.isfinite(value)
-        elif expected in ("bool", bool):
-            ok = isinstance(value, bool)
-        else:
-            ok = isinstance(value, str)
-        if not ok:
-            raise ScenarioError(f"{name}.{key} must be {expected}, got {value!r}")
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-            raise ScenarioError(f"{name}.{key} must not be negative, got {value!r}")
-        values[key] = float(value) if expected in ("float", float) else value
-    try:
-        return cls(**values)
-    except TypeError as exc:
+    values = {k: v.get("value") if isinstance(v, dict) else v for k, v in raw.items()}
+    try:  # "_" keys: comments and sources
+        return build_options(cls, {k: v for k, v in values.items() if k[:1] != "_"}, what=name)
+    except (ConfigError, TypeError) as exc:
         raise ScenarioError(f"section {name!r}: {exc}") from None
 
 
@@ -292,26 +287,10 @@ def _read(path: Path, depth: int) -> dict[str, Any]:
 
 
 def check_scenario(s: Scenario) -> None:
-    """Raise :class:`ScenarioError` if ``s`` cannot be simulated."""
-    if s.fleet.router not in ("auto", "sequential", "concurrent"):
-        raise ScenarioError(
-            f"fleet.router must be auto, sequential or concurrent, not {s.fleet.router!r}"
-        )
-    for what, n in (("fleet.prefill", s.fleet.prefill), ("fleet.decode", s.fleet.decode)):
-        if not 1 <= n <= 1024:
-            raise ScenarioError(f"{what} must lie in [1, 1024], got {n}")
-    if s.fleet.output_tokens < 1:
-        raise ScenarioError("fleet.output_tokens must be >= 1")
-    if s.model.block_tokens < 1 or s.hardware.tp < 1 or s.model.kv_heads % s.hardware.tp:
-        raise ScenarioError("block_tokens and tp must be >= 1 and tp must divide kv_heads")
-    if s.control.chunk_tokens < 1:
-        raise ScenarioError("control.chunk_tokens must be >= 1")
-    if not 0 <= s.hardware.prefill_cached_fraction < 1:
+    """Raise :class:`ScenarioError` if ``s`` cannot be simulated (each section
+    checked its own ranges)."""
+    if s.model.kv_heads % s.hardware.tp:
+        raise ScenarioError("hardware.tp must divide model.kv_heads")
+    if not s.hardware.prefill_cached_fraction < 1:
         raise ScenarioError("hardware.prefill_cached_fraction must lie in [0, 1)")
-    if (
-        s.hardware.prefill_mfu <= 0
-        or s.hardware.nic_efficiency <= 0
-        or s.hardware.hbm_efficiency <= 0
-    ):
-        raise ScenarioError("efficiencies must be > 0")
     s.hardware.kv_blocks(s.model)

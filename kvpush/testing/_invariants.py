@@ -34,7 +34,7 @@ from kvpush.protocol import (
 __all__ = ("InvariantChecker", "InvariantViolation")
 
 Key = tuple[str, int]
-Pair = tuple[str, int, object, int]  # (transfer, epoch, source, consumer rank)
+Delivery = tuple[str, int, object, int]  # (transfer, epoch, source, consumer rank)
 
 
 class InvariantViolation(AssertionError):
@@ -73,7 +73,7 @@ class InvariantChecker:
     op_bound: float
     res: dict[Key, _Res] = field(default_factory=dict)
     #: dst block -> landings since it was last reserved.
-    content: dict[int, set[Pair]] = field(default_factory=dict)
+    content: dict[int, set[Delivery]] = field(default_factory=dict)
     dst_owner: dict[int, Key] = field(default_factory=dict)
     #: staging page -> the reservation whose slot holds it.
     slot_owner: dict[int, Key] = field(default_factory=dict)
@@ -87,11 +87,11 @@ class InvariantChecker:
     producer_aborted: dict[str, int] = field(default_factory=dict)
     #: pair -> the source block indices its increments wrote (I4), and
     #: whether its last increment (the commit, with the notice) was posted.
-    writes: dict[Pair, tuple[frozenset[int], bool]] = field(default_factory=dict)
+    writes: dict[Delivery, tuple[frozenset[int], bool]] = field(default_factory=dict)
     readies: set[str] = field(default_factory=set)
     #: Pull reads the consumer started and was not yet told settled, with the
     #: time by which each is dead anyway (``not_after + op_bound``).
-    reads: dict[Pair, float] = field(default_factory=dict)
+    reads: dict[Delivery, float] = field(default_factory=dict)
     #: The consumer's view of its producer: (instance, connected). The world
     #: sets it before routing outputs.
     link: tuple[int | None, bool] = (None, False)

@@ -65,7 +65,7 @@ _TIMING = Timing(max_transit=10.0)
 class LoopbackConfig:
     """The shape of a loopback pair. Each side has ``*_tp`` ranks, one
     shared-memory segment each, holding ``num_layers`` K and V regions of
-    ``num_blocks`` blocks of ``*_block_tokens`` tokens (HND, DRAM), its share
+    ``num_blocks`` blocks of ``*_tokens_per_block`` tokens (HND, DRAM), its share
     of ``num_kv_heads`` heads of ``head_bytes`` bytes per token.
 
     ``timing`` and ``ready_timeout`` go to both endpoints' configs, and each
@@ -82,8 +82,8 @@ class LoopbackConfig:
 
     producer_tp: int = 1
     consumer_tp: int = 1
-    producer_block_tokens: int = 16
-    consumer_block_tokens: int = 16
+    producer_tokens_per_block: int = 16
+    consumer_tokens_per_block: int = 16
     num_blocks: int = 32
     num_layers: int = 2
     num_kv_heads: int = 4
@@ -101,8 +101,8 @@ class LoopbackConfig:
         for name in (
             "producer_tp",
             "consumer_tp",
-            "producer_block_tokens",
-            "consumer_block_tokens",
+            "producer_tokens_per_block",
+            "consumer_tokens_per_block",
             "num_blocks",
             "num_layers",
             "num_kv_heads",
@@ -122,12 +122,16 @@ class LoopbackConfig:
     def tp(self, role: Role) -> int:
         return self.producer_tp if role is Role.PRODUCER else self.consumer_tp
 
-    def block_tokens(self, role: Role) -> int:
-        return self.producer_block_tokens if role is Role.PRODUCER else self.consumer_block_tokens
+    def tokens_per_block(self, role: Role) -> int:
+        return (
+            self.producer_tokens_per_block
+            if role is Role.PRODUCER
+            else self.consumer_tokens_per_block
+        )
 
     def rank_layout(self, role: Role, rank: int) -> KVLayout:
         """Rank ``rank``'s KV layout on ``role``'s side (its heads only)."""
-        tp, tokens = self.tp(role), self.block_tokens(role)
+        tp, tokens = self.tp(role), self.tokens_per_block(role)
         heads = self.num_kv_heads // tp
         block_len = tokens * heads * self.head_bytes
         span = 2 * self.num_blocks * block_len

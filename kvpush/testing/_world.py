@@ -619,13 +619,15 @@ class World:
             kind = StartWrite if me == P else StartRead
             for op in self.ops:
                 a = op.action
-                if (
-                    isinstance(a, kind)
-                    and (a.transfer_id, a.epoch) == (out.transfer_id, out.epoch)
-                    and (a.route.source, a.route.consumer_rank) == (out.source, out.consumer_rank)
-                ):
+                if isinstance(a, kind) and _cancels(out, a):
                     op.cancel = True
-        elif isinstance(out, Ready):
+        else:
+            self._event(out)
+        self.events.append(out)
+
+    def _event(self, out: Output) -> None:
+        """The World's bookkeeping of an endpoint's event."""
+        if isinstance(out, Ready):
             self.ready.add(out.transfer_id)
             self.live.pop(out.transfer_id, None)
         elif isinstance(out, Released):
@@ -640,4 +642,9 @@ class World:
             self.failure_reasons[(out.transfer_id, out.epoch)] = out.reason
             if self.live.get(out.transfer_id) == out.epoch:
                 del self.live[out.transfer_id]
-        self.events.append(out)
+
+
+def _cancels(cancel: Cancel, a: StartWrite | StartRead) -> bool:
+    """Whether ``cancel`` names the op of action ``a``."""
+    where = (a.route.source, a.route.consumer_rank) == (cancel.source, cancel.consumer_rank)
+    return where and (a.transfer_id, a.epoch) == (cancel.transfer_id, cancel.epoch)

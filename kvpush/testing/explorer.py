@@ -166,6 +166,16 @@ _Move = tuple[str, Callable[[_Node], None]]
 
 
 def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
+    yield from _inputs(node, transfers)
+    yield from _in_flight(node)
+    yield from _faults(node)
+    yield from _transport(node)
+    for i, notice in enumerate(node.world.notices):
+        yield f"notify {notice!r}", partial(_notify, index=i)  # local
+
+
+def _inputs(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
+    """The callers' inputs: reserve, KV ready (or its first increment), preempt."""
     w = node.world
     for tid in transfers:
         if tid not in node.reserved or tid in node.rereserve:
@@ -176,8 +186,12 @@ def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
                 yield f"kv_increment {tid}", partial(_kv_increment, tid=tid)
         if node.preempts_left and tid in w.live:
             yield f"preempt {tid}", partial(_preempt, tid=tid)
+
+
+def _in_flight(node: _Node) -> Iterator[_Move]:
+    """Each distinct message in flight: delivered, duplicated, or (a hello) lost."""
     seen: set[str] = set()
-    for i, m in enumerate(w.net.queue):
+    for i, m in enumerate(node.world.net.queue):
         key = repr((m.src, m.dst, m.message))
         if key in seen:
             continue
@@ -187,15 +201,24 @@ def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
             yield f"duplicate {key}", partial(_dup, index=i)
         if node.losses_left and isinstance(m.message, _HANDSHAKE):
             yield f"lose {key}", partial(_lose, index=i)
+
+
+def _faults(node: _Node) -> Iterator[_Move]:
+    """Process stalls, and an unbounded stop of the prefill with writes posted."""
     if node.stalls_left:
         for who in ("prefill", "decode"):
             yield f"stall {who}", partial(_stall, who=who)
-    if node.stops_left and any(isinstance(op.action, StartWrite) for op in w.ops):
+    if node.stops_left and any(isinstance(op.action, StartWrite) for op in node.world.ops):
         yield "stop prefill", _stop
-    # A write lands at the latest moment the model allows: just before the first
-    # of "its initiator is told" and "its notice is polled" (both imply it
-    # landed). Landing later is never safer, so nothing is lost for I1.
-    for i, op in enumerate(w.ops):
+
+
+def _transport(node: _Node) -> Iterator[_Move]:
+    """What the transport does with each op.
+
+    A write lands at the latest moment the model allows: just before the first
+    of "its initiator is told" and "its notice is polled" (both imply it
+    landed). Landing later is never safer, so nothing is lost for I1."""
+    for i, op in enumerate(node.world.ops):
         if op.cancel and not op.landed:  # the transport confirms the cancel
             yield f"cancel {op.action!r}", partial(_cancel, index=i)  # local
         if op.hung:
@@ -205,8 +228,6 @@ def _moves(node: _Node, transfers: tuple[str, ...]) -> Iterator[_Move]:
             yield f"notify {op.action!r}", partial(_land_and_notify, index=i)  # local
             if node.hangs_left:
                 yield f"hang {op.action!r}", partial(_hang, index=i)
-    for i, notice in enumerate(w.notices):
-        yield f"notify {notice!r}", partial(_notify, index=i)  # local
 
 
 def _kv_ready(node: _Node, tid: str) -> None:
@@ -349,7 +370,6 @@ def explore(
             kv_hold_timeout=1e6,
             tombstone_ttl=2e6,
         )
-    names = tuple(f"t{i}" for i in range(transfers))
     if hello_losses:
         config = dataclasses.replace(config, handshake=False)
     world = World(config)
@@ -366,30 +386,31 @@ def explore(
         increments=increments > 1,
         hangs_left=hangs,
     )
+    names = tuple(f"t{i}" for i in range(transfers))
+    return _walk(root, names, limit, progress, reduce)
+
+
+def _walk(
+    root: _Node,
+    names: tuple[str, ...],
+    limit: int,
+    progress: Callable[[int], None] | None,
+    reduce: bool,
+) -> ExploreResult:
+    """Depth-first over every state reachable from ``root`` (each once)."""
     visited = {_digest(root)}
     stack: list[tuple[_Node, list[str]]] = [(root, [])]
     terminal = transitions = depth = 0
     while stack:
         node, path = stack.pop()
         depth = max(depth, len(path))
-        moves = list(_moves(node, names))
-        if reduce:
-            moves = _ample(node, moves, names)
-        if not moves:
-            nxt = _clone(node)
-            if nxt.world.advance_to_next():
-                moves = [("timer", _nothing)]
-                node = nxt
-            else:
-                _check_end(node, names, path)
-                terminal += 1
-                continue
+        found = _next_moves(node, names, path, reduce)
+        if found is None:
+            terminal += 1
+            continue
+        node, moves = found
         for label, move in moves:
-            child = _clone(node)
-            try:
-                move(child)
-            except AssertionError as exc:
-                raise type(exc)(f"{exc}\n  after: {' -> '.join([*path, label])}") from None
+            child = _apply(node, move, [*path, label])
             transitions += 1
             key = _digest(child)
             if key in visited:
@@ -401,6 +422,34 @@ def explore(
                 raise RuntimeError(f"more than {limit} states: shrink the configuration")
             stack.append((child, [*path, label]))
     return ExploreResult(len(visited), terminal, transitions, depth)
+
+
+def _next_moves(
+    node: _Node, names: tuple[str, ...], path: list[str], reduce: bool
+) -> tuple[_Node, list[_Move]] | None:
+    """The moves from ``node``; when none is enabled, time jumps to the next
+    timer (from a copy), and with no timer left the end state is checked
+    (``None``: ``node`` is terminal)."""
+    moves = list(_moves(node, names))
+    if reduce:
+        moves = _ample(node, moves, names)
+    if moves:
+        return node, moves
+    nxt = _clone(node)
+    if nxt.world.advance_to_next():
+        return nxt, [("timer", _nothing)]
+    _check_end(node, names, path)
+    return None
+
+
+def _apply(node: _Node, move: Callable[[_Node], None], path: list[str]) -> _Node:
+    """A copy of ``node`` after ``move`` (its violation names the path to it)."""
+    child = _clone(node)
+    try:
+        move(child)
+    except AssertionError as exc:
+        raise type(exc)(f"{exc}\n  after: {' -> '.join(path)}") from None
+    return child
 
 
 _LOCAL = ("deliver ", "ack ", "notify ", "cancel ")

@@ -23,8 +23,9 @@ from typing import Protocol
 
 import anyio
 
-from ._params import LegRole
-from ._router_core import (
+from kvpush.routing import Side
+
+from ._core import (
     Failure,
     FailureKind,
     UpstreamUrl,
@@ -33,7 +34,7 @@ from ._router_core import (
     sse_error_event,
     upstream_message,
 )
-from ._router_http import ClientGone, ServerConn, UpstreamError, upstream
+from ._http import ClientGone, ServerConn, UpstreamError, upstream
 
 __all__ = ("Attempt", "Exchange", "LegPlan", "Timeouts", "Upstreams")
 
@@ -73,7 +74,7 @@ class Upstreams(Protocol):
     def failed(self, failure: Failure, index: int) -> None:
         """A leg on instance ``index`` of ``failure.leg``'s side failed."""
 
-    def served(self, leg: LegRole, index: int) -> None:
+    def served(self, leg: Side, index: int) -> None:
         """A leg on instance ``index`` answered whole."""
 
     def retry(self, attempt: Attempt) -> Attempt | None:
@@ -132,7 +133,7 @@ class Exchange:
             ("x-request-id", self._tid),
             *self._client_headers,
         )
-        self._released: set[LegRole] = set()
+        self._released: set[Side] = set()
         self._decode_scope = anyio.CancelScope()
         self._prefill_done = anyio.Event()
         self._retry = False
@@ -172,7 +173,7 @@ class Exchange:
             self._release("prefill")
             self._release("decode")
 
-    def _release(self, leg: LegRole) -> None:
+    def _release(self, leg: Side) -> None:
         if leg not in self._released:
             self._released.add(leg)
             (self._prefill if leg == "prefill" else self._decode).release()
@@ -201,7 +202,7 @@ class Exchange:
         if not self._decoded:  # after a whole answer, the prefill leg keeps its grace
             scope.cancel()
 
-    async def _call(self, leg: LegRole, plan: LegPlan) -> tuple[int, bytes]:
+    async def _call(self, leg: Side, plan: LegPlan) -> tuple[int, bytes]:
         with anyio.fail_after(self._limit(leg)):
             async with upstream(
                 plan.url,
@@ -216,10 +217,10 @@ class Exchange:
                     return resp.status, b""
                 return resp.status, await resp.read(MAX_UPSTREAM_BODY)
 
-    def _limit(self, leg: LegRole) -> float:
+    def _limit(self, leg: Side) -> float:
         return self._timeouts.prefill if leg == "prefill" else self._timeouts.total
 
-    async def _leg(self, leg: LegRole, plan: LegPlan) -> Failure | None:
+    async def _leg(self, leg: Side, plan: LegPlan) -> Failure | None:
         failure = await self._try_leg(leg, plan)
         if failure is None:
             self._upstreams.served(leg, plan.index)
@@ -227,7 +228,7 @@ class Exchange:
             self._upstreams.failed(failure, plan.index)
         return failure
 
-    async def _try_leg(self, leg: LegRole, plan: LegPlan) -> Failure | None:
+    async def _try_leg(self, leg: Side, plan: LegPlan) -> Failure | None:
         where = str(plan.url)
         try:
             status, body = await self._call(leg, plan)

@@ -2,7 +2,7 @@
 the two legs' bodies, and the client-facing errors (the choice of upstreams
 is :mod:`kvpush.routing`'s).
 
-Nothing here touches a socket or a clock; the pump (``_router_server``) feeds
+Nothing here touches a socket or a clock; the pump (``_server``) feeds
 requests in and carries the results out.
 """
 
@@ -17,9 +17,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvpush.protocol import ConfigError, Mode
-
-from ._contract import Contract
-from ._params import PARAMS_KEY, LegRole, TransferParams, parse_host_port
+from kvpush.routing import Side
+from kvpush_vllm import PARAMS_KEY, Contract, TransferParams, parse_host_port
 
 __all__ = (
     "DecodeSpec",
@@ -154,9 +153,9 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     return tokens
 
 
-def estimate_blocks(tokens: int, block_size: int) -> int:
-    """KV blocks a prompt of ``tokens`` holds: ``ceil(tokens / block_size)``, at least 1."""
-    return max(1, math.ceil(tokens / block_size))
+def estimate_blocks(tokens: int, tokens_per_block: int) -> int:
+    """KV blocks a prompt of ``tokens`` holds: ``ceil(tokens / tokens_per_block)``, at least 1."""
+    return max(1, math.ceil(tokens / tokens_per_block))
 
 
 class RequestError(Exception):
@@ -192,7 +191,7 @@ def split_request(
 
     Prefill: one token, not streamed (``stream_options`` and ``min_tokens``
     dropped, vLLM refuses them then). Decode: the body as sent. Both get
-    ``kv_transfer_params`` replaced by kvpush's (see ``_params``); with a
+    ``kv_transfer_params`` replaced by kvpush's (:class:`kvpush_vllm.TransferParams`); with a
     ``secret`` the decode leg carries the contract's seal (docs/contract.md,
     "Trust"), so a decode with the same secret trusts it without ``allowed_peers``.
     """
@@ -228,7 +227,7 @@ class FailureKind(enum.Enum):
 class Failure:
     """One leg's failure, as the client will hear it."""
 
-    leg: LegRole
+    leg: Side
     kind: FailureKind
     detail: str
     #: The upstream's status, for :attr:`FailureKind.STATUS`.

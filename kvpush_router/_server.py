@@ -1,8 +1,8 @@
 """The router's server: accept connections, route requests, run exchanges.
 
 :class:`Router` serves the OpenAI-compatible endpoints; the decisions are the
-sans-IO ``_router_core``'s, the per-request pump is ``_router_exchange``'s,
-the HTTP is h11's (``_router_http``).
+sans-IO ``_core``'s, the per-request pump is ``_exchange``'s, the HTTP is
+h11's (``_http``).
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ import anyio
 import h11
 from anyio.abc import ByteStream, Listener, SocketAttribute, SocketStream, TaskStatus
 
-from kvpush.protocol import ConfigError, Mode
+from kvpush.protocol import ConfigError, Mode, check_options, option
 from kvpush.routing import Health, InstanceLoad, Ledger, Side
+from kvpush_vllm import Breakdown, new_transfer_id, release_params
 
-from . import _contract
-from ._breakdown import Breakdown
-from ._params import new_transfer_id
-from ._router_core import (
+from ._core import (
     DecodeSpec,
     Failure,
     FailureKind,
@@ -39,8 +37,8 @@ from ._router_core import (
     split_request,
     take_mode,
 )
-from ._router_exchange import MAX_UPSTREAM_BODY, Attempt, Exchange, LegPlan, Timeouts
-from ._router_http import BodyTooLarge, ClientGone, Incoming, ServerConn, UpstreamError, upstream
+from ._exchange import MAX_UPSTREAM_BODY, Attempt, Exchange, LegPlan, Timeouts
+from ._http import BodyTooLarge, ClientGone, Incoming, ServerConn, UpstreamError, upstream
 
 __all__ = ("Router", "RouterConfig", "RouterStats")
 
@@ -65,79 +63,83 @@ _TICK = 0.1
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """Everything the router needs; the CLI builds one from its flags."""
+    """Everything the router needs; each setting is declared once here, with
+    its range, unit and help (the command line's flags take theirs from it:
+    :class:`~kvpush_router.RouterOptions`)."""
 
     prefills: tuple[PrefillSpec, ...]
     decodes: tuple[DecodeSpec, ...]
-    host: str = "127.0.0.1"
+    host: str = option("127.0.0.1", "address to listen on")
     #: 0 picks a free port (:meth:`Router.serve` reports it).
-    port: int = 8000
-    #: The mode of requests that do not set ``kvpush_mode``.
-    mode: Mode = Mode.PUSH
-    #: Tokens per KV block (vLLM's ``--block-size``), for the load estimate.
-    block_size: int = 16
-    #: Seconds an upstream call may take in all, the decode's whole stream included.
-    timeout: float = 300.0
-    #: Seconds the prefill leg may take in all (``None``: ``timeout``).
-    prefill_timeout: float | None = None
-    #: Seconds to connect to an upstream.
-    connect_timeout: float = 5.0
-    #: Proxied requests in flight at once; more get 503.
-    max_inflight: int = 256
-    #: Largest request body in bytes; larger gets 413.
-    max_body: int = 16 * 1024 * 1024
-    #: Seconds to read a request (and to keep an idle connection), and to send to a client.
-    client_timeout: float = 60.0
-    #: Seconds a finished decode waits for its prefill leg to end before cancelling it.
-    prefill_grace: float = 5.0
-    #: A file to append one JSON line per request to (when it arrived, when its
-    #: legs left, when it ended: the router's part of the per-request breakdown,
-    #: docs/performance.md). None: off.
-    timeline_file: str | None = None
+    port: int = option(8000, "port to listen on (0: any)", low=0, high=65535)
+    mode: Mode = option(
+        Mode.PUSH,
+        "default transfer mode (push or pull); a request's kvpush_mode field overrides it",
+    )
+    tokens_per_block: int = option(
+        16,
+        "tokens per KV block (vLLM's --block-size), for the load estimate",
+        low=1,
+        cli="block-size",
+    )
+    timeout: float = option(
+        300.0,
+        "how long an upstream call may take in all (the decode's whole stream included)",
+        unit="s",
+        above=0,
+    )
+    prefill_timeout: float | None = option(
+        None,
+        "how long the prefill leg may take in all (None: the timeout); a prefill computes "
+        "one token, so this can be far shorter than a whole decode stream",
+        unit="s",
+        above=0,
+    )
+    connect_timeout: float = option(5.0, "how long connecting upstream may take", unit="s", above=0)
+    max_inflight: int = option(256, "requests in flight at once; more get 503", low=1)
+    max_body: int = option(16 * 1024 * 1024, "larger requests get 413", unit="bytes", low=1)
+    client_timeout: float = option(
+        60.0,
+        "how long reading a request (and an idle connection), or a send to a client, may take",
+        unit="s",
+        above=0,
+    )
+    prefill_grace: float = option(
+        5.0, "how long a finished decode waits for its prefill leg to end", unit="s", above=0
+    )
+    timeline_file: str | None = option(
+        None,
+        "append one JSON line per request (arrived, legs sent, answered; time.monotonic) "
+        "for the per-request breakdown (docs/performance.md)",
+    )
     #: The connectors' shared secret: the router seals the decode legs with it
     #: (docs/contract.md, "Trust"). None: legs unsealed (``allowed_peers`` then).
+    #: Not an option: an option's error would show its value.
     secret: bytes | None = None
-    #: A down instance's first probe after this many seconds, doubling up to ``probe_max``.
-    probe_first: float = 0.5
-    probe_max: float = 10.0
-    #: Seconds between reads of each decode's suspect blocks (its ``/metrics``); 0: off.
-    metrics_interval: float = 2.0
-    #: Seconds a release leg (the decode failed: the prefill frees the KV) may take.
-    release_timeout: float = 2.0
-    #: Times a request whose prefill leg failed is tried again on another prefill.
-    retries: int = 1
+    probe_first: float = option(
+        0.5, "a down instance's first probe after this long, doubling", unit="s", above=0
+    )
+    probe_max: float = option(10.0, "the longest wait between probes", unit="s", above=0)
+    metrics_interval: float = option(
+        2.0, "time between reads of each decode's /metrics for its suspect blocks (0: off)",
+        unit="s", low=0,
+    )  # fmt: skip
+    release_timeout: float = option(
+        2.0, "how long a release leg (the prefill frees a failed decode's KV) may take",
+        unit="s", above=0,
+    )  # fmt: skip
+    retries: int = option(
+        1, "times a request whose prefill leg failed is tried on another prefill", low=0
+    )
 
     def __post_init__(self) -> None:
-        if self.secret is not None and len(self.secret) < 16:
-            raise ConfigError("the router's secret must be at least 16 bytes")
-        if self.retries < 0 or self.metrics_interval < 0:
-            raise ConfigError("retries and metrics_interval must be >= 0")
-        if self.probe_max < self.probe_first:
-            raise ConfigError("probe_max must be >= probe_first")
+        check_options(self)
         if not self.prefills or not self.decodes:
             raise ConfigError("the router needs at least one prefill and one decode")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port must be in 0..65535, got {self.port}")
-        for name in ("block_size", "max_inflight", "max_body"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in (
-            "timeout",
-            "connect_timeout",
-            "client_timeout",
-            "prefill_grace",
-            "probe_first",
-            "probe_max",
-            "release_timeout",
-        ):
-            _check_seconds(name, getattr(self, name))
-        if self.prefill_timeout is not None:
-            _check_seconds("prefill_timeout", self.prefill_timeout)
-
-
-def _check_seconds(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if self.secret is not None and len(self.secret) < 16:
+            raise ConfigError("the router's secret must be at least 16 bytes")
+        if self.probe_max < self.probe_first:
+            raise ConfigError("probe_max must be >= probe_first")
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +300,7 @@ class Router:
         """Tell the prefill that the decode will not take ``attempt``'s KV: a
         one-token completion whose ``kv_transfer_params`` are the contract's
         ``release_params`` (fire and forget, bounded by ``release_timeout``)."""
-        params = _contract.release_params(attempt.transfer_id, attempt.mode, self.config.secret)
+        params = release_params(attempt.transfer_id, attempt.mode, self.config.secret)
         body: dict[str, Any] = {
             "prompt": [0],
             "max_tokens": 1,
@@ -473,7 +475,7 @@ class Router:
             return await _error(conn, exc.status, exc.message)
         except ValueError as exc:
             return await _error(conn, 400, f"the request body is not JSON: {exc}")
-        blocks = estimate_blocks(estimate_prompt_tokens(body), self.config.block_size)
+        blocks = estimate_blocks(estimate_prompt_tokens(body), self.config.tokens_per_block)
         legs = _Legs(self, body, mode, blocks, tuple(_forwarded(request)))
         first = legs.attempt()
         if isinstance(first, str):

@@ -3,7 +3,7 @@
 
 This module needs only the standard library, so that ``kvpush --help`` lists
 the command even without the router's h11: the router itself
-(:mod:`kvpush_vllm._router`) is imported when the command's arguments are
+(:mod:`kvpush_router._cli`) is imported when the command's arguments are
 added, and an :class:`ImportError` there makes ``kvpush router`` print why,
 with :data:`INSTALL_HINT`.
 """
@@ -27,12 +27,12 @@ INSTALL_HINT = "install kvpush[router]"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ._router import add_router_arguments
+    from ._cli import add_router_arguments
 
     add_router_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._router import run_router
+    from ._cli import run_router
 
     return run_router(args)

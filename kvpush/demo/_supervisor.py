@@ -1,4 +1,4 @@
-"""The router: starts every instance, dispatches requests, collects results.
+"""The supervisor: starts every instance, dispatches requests, collects results.
 
 It runs in the demo's main process, synchronously, over its children's pipes
 (:class:`~._children.Children`: a child that dies is noticed at once). It
@@ -7,13 +7,12 @@ process plus one process per TP rank each), has every decode dial every
 prefill, then sends both legs of each request at once to the pair that
 :mod:`kvpush.routing` picks (the policy ``kvpush router`` uses), with each
 instance's block pool as its capacity. Whatever happens (success, an error,
-Ctrl-C), :meth:`DemoRouter.shutdown` stops and reaps every child and removes
+Ctrl-C), :meth:`Supervisor.shutdown` stops and reaps every child and removes
 any shared memory of the run a killed child left.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import secrets
@@ -22,13 +21,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Protocol
 
-from kvpush.protocol import Mode, Role
+from kvpush.protocol import Mode, Role, check_options, option
 from kvpush.routing import Ledger
 
 from ._children import Child, Children
 from ._instance import leader_main
 from ._leader import LeaderSpec
-from ._model import MODELS, DemoError, PoolPlan, SideGeometry, plan_pool
+from ._model import DEFAULT_MAX_MEMORY_MIB, MODELS, DemoError, PoolPlan, SideGeometry, plan_pool
 from ._rank import RankSpec, rank_main
 from ._wire import (
     ConsumerResult,
@@ -45,12 +44,13 @@ from ._wire import (
 
 __all__ = (
     "MAX_INSTANCES",
+    "TRANSPORTS",
     "DemoConfig",
-    "DemoRouter",
     "Instance",
     "Observer",
     "RequestRecord",
     "RunResult",
+    "Supervisor",
 )
 
 _STARTUP_TIMEOUT = 60.0
@@ -79,32 +79,75 @@ def check_nixl() -> None:
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    """What ``kvpush demo`` was asked to do (see ``kvpush demo --help``)."""
+    """What ``kvpush demo`` was asked to do: its flags (``kvpush demo --help``)."""
 
-    mode: Mode = Mode.PUSH
-    transport: str = "nixl"
-    requests: int = 32
-    qps: float = 50.0
-    prompt_tokens: int = 512
-    tp_prefill: int = 1
-    tp_decode: int = 1
-    #: Prefill and decode instances (each decode dials every prefill).
-    prefills: int = 1
-    decodes: int = 1
-    seed: int = 0
-    model: str = "small"
-    compute_us_per_token: float = 20.0
-    #: Progressive push: the prefill hands each chunk of this many tokens to
-    #: the core as an increment (0: one kv_ready when the prompt is done).
-    chunk_tokens: int = 0
-    #: ``--transport memory``: each rank's link at this many Gb/s (None: memory speed).
-    link_gbps: float | None = None
-    max_memory_mib: int = 512
-    #: Abort when no request settles for this many seconds.
-    timeout: float = 60.0
-    #: The first decode leader's metrics port; the other decodes', then the
-    #: prefills', follow it (1P1D: decode on the port, prefill on the next).
-    metrics_port: int | None = None
+    mode: Mode = option(
+        Mode.PUSH, "push: the prefill writes into the decode's blocks; pull: the decode reads"
+    )
+    transport: str = option(
+        "nixl",
+        "nixl: NIXL over UCX on loopback, one agent per rank; memory: POSIX shared memory copies",
+        choices=TRANSPORTS,
+    )
+    requests: int = option(32, "requests to run", low=1)
+    qps: float = option(
+        50.0, "Poisson arrival rate; 0 dispatches as fast as free blocks allow", low=0
+    )
+    prompt_tokens: int = option(512, "prompt length of every request", low=1)
+    #: Prefill and decode instances (each decode dials every prefill), and their TP.
+    prefills: int = option(1, "prefill instances, or the preset's", low=1, high=MAX_INSTANCES)
+    decodes: int = option(
+        1,
+        "decode instances, or the preset's; each dials every prefill, and the router spreads "
+        "requests over every pair",
+        low=1,
+        high=MAX_INSTANCES,
+    )
+    tp_prefill: int = option(1, "tensor-parallel ranks of each prefill, or the preset's", low=1)
+    tp_decode: int = option(1, "tensor-parallel ranks of each decode, or the preset's", low=1)
+    model: str = option(
+        "small",
+        "KV shape: small (4 layers, 8 KV heads, head_dim 64, fp16) or qwen3-32b (64 layers, "
+        "8 KV heads, head_dim 128, bf16: 256 KiB per token)",
+        choices=tuple(sorted(MODELS)),
+    )
+    compute_us_per_token: float = option(
+        20.0, "simulated prefill time per prompt token", unit="us", low=0
+    )
+    progressive: bool = option(
+        False,
+        "progressive push: the prefill computes the prompt in chunks of --chunk-tokens and "
+        "hands each chunk's whole blocks to the core, which writes them while the rest is "
+        "computed; the last chunk commits (push only)",
+    )
+    chunk_tokens: int = option(128, "the prefill's chunk with --progressive", unit="tokens", low=1)
+    link_gbps: float | None = option(
+        None,
+        "with --transport memory: model each rank's link at this rate, so that the wire "
+        "takes time (None: memory speed)",
+        unit="Gb/s",
+        above=0,
+    )
+    max_memory_mib: int = option(
+        DEFAULT_MAX_MEMORY_MIB,
+        "cap on the KV memory of every instance together; the block pools hold --requests "
+        "prompts at once, or as many as fit",
+        low=1,
+    )
+    timeout: float = option(
+        60.0, "give up when no request settles for this many seconds", unit="s", above=0
+    )
+    seed: int = option(0, "seeds arrivals, block placement and the KV pattern")
+    metrics_port: int | None = option(
+        None,
+        "serve Prometheus metrics on 127.0.0.1: the decode leader on this port, the prefill "
+        "on the next (more instances: the decodes on this port and the next, then the prefills)",
+        low=0,
+        high=65535,
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 class Observer(Protocol):
@@ -117,7 +160,7 @@ class Observer(Protocol):
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One request as the router saw it."""
+    """One request as the supervisor saw it."""
 
     transfer_id: str
     dispatched: float
@@ -168,40 +211,22 @@ def instance_names(side: str, n: int) -> list[str]:
     return [side] if n == 1 else [f"{side}-{i}" for i in range(n)]
 
 
-class DemoRouter:
+class Supervisor:
     """One run of the demo. :meth:`run` then, always, :meth:`shutdown`."""
 
     def __init__(self, cfg: DemoConfig, observer: Observer) -> None:
-        if cfg.transport not in TRANSPORTS:
-            raise DemoError(f"unknown transport {cfg.transport!r}; choose from {TRANSPORTS}")
-        if cfg.transport == "nixl":
-            check_nixl()
-        if cfg.model not in MODELS:
-            raise DemoError(f"unknown model {cfg.model!r}; choose from {', '.join(MODELS)}")
-        for what, n in (("--prefills", cfg.prefills), ("--decodes", cfg.decodes)):
-            if not 1 <= n <= MAX_INSTANCES:
-                raise DemoError(f"{what} must be between 1 and {MAX_INSTANCES}, got {n}")
-        if cfg.qps < 0 or not math.isfinite(cfg.qps):
-            raise DemoError("--qps must be a finite number >= 0 (0: as fast as blocks allow)")
-        if cfg.compute_us_per_token < 0 or not math.isfinite(cfg.compute_us_per_token):
-            raise DemoError("--compute-us-per-token must be a finite number >= 0")
-        if type(cfg.chunk_tokens) is not int or cfg.chunk_tokens < 0:
-            raise DemoError("--chunk-tokens must be a whole number of tokens >= 0")
-        if cfg.chunk_tokens and cfg.mode is not Mode.PUSH:
+        if cfg.progressive and cfg.mode is not Mode.PUSH:
             raise DemoError(
                 "--progressive needs --mode push: a pull epoch is lent only the whole "
                 "source, so there is nothing to stream"
             )
-        if cfg.link_gbps is not None:
-            if not (math.isfinite(cfg.link_gbps) and cfg.link_gbps > 0):
-                raise DemoError("--link-gbps must be a positive number of Gb/s")
-            if cfg.transport != "memory":
-                raise DemoError(
-                    "--link-gbps needs --transport memory (NIXL moves at the rate of its "
-                    "own fabric; on loopback, memory speed)"
-                )
-        if not cfg.timeout > 0 or not math.isfinite(cfg.timeout):
-            raise DemoError("--timeout must be a positive number of seconds")
+        if cfg.link_gbps is not None and cfg.transport != "memory":
+            raise DemoError(
+                "--link-gbps needs --transport memory (NIXL moves at the rate of its "
+                "own fabric; on loopback, memory speed)"
+            )
+        if cfg.transport == "nixl":
+            check_nixl()
         self.cfg = cfg
         self.observer = observer
         self.model = MODELS[cfg.model]
@@ -271,7 +296,7 @@ class DemoRouter:
                 rank_timeout=cfg.timeout,
                 metrics_port=self._metrics_port(inst),
                 transport=cfg.transport,
-                chunk_tokens=cfg.chunk_tokens,
+                chunk_tokens=cfg.chunk_tokens if cfg.progressive else 0,
                 link_gbps=cfg.link_gbps,
             )
             args = (spec_, leader_ends[inst])
@@ -349,30 +374,39 @@ class DemoRouter:
             room = issued < cfg.requests and in_flight < self.plan.slots and not full
             wake = next_at - now if room else 0.25
             for _, m in children.poll(min(max(wake, 0.0), 0.25)):
-                if not isinstance(m, (ProducerResult, ConsumerResult)):
-                    continue
-                rec = records.get(m.transfer_id)
-                if rec is None:
-                    continue
-                p, d = pairs[m.transfer_id]
-                if isinstance(m, ProducerResult):
-                    rec.producer = m
-                else:
-                    rec.consumer = m
-                    if not m.ok and rec.producer is None:
-                        children.send(p.lead(), Drop(m.transfer_id))
-                if rec.producer is not None and rec.consumer is not None:
-                    ledger.release_prefill(p.index, blocks)
-                    ledger.release_decode(d.index, blocks)
+                if self._settle(m, records, pairs, ledger):
                     settled, in_flight = settled + 1, in_flight - 1
                     last_progress = time.monotonic()
-                    self.observer.settled(rec.consumer.ok and not rec.consumer.corrupt_blocks)
             if time.monotonic() - last_progress > cfg.timeout:
                 raise DemoError(
                     f"no request settled for {cfg.timeout:.0f} s ({issued - settled} in flight); "
                     "stopping the demo"
                 )
         return list(records.values()), time.monotonic() - start
+
+    def _settle(
+        self,
+        m: object,
+        records: dict[str, RequestRecord],
+        pairs: dict[str, tuple[Instance, Instance]],
+        ledger: Ledger,
+    ) -> bool:
+        """Take a leg's result; True when it settles its request (both legs in)."""
+        if not isinstance(m, (ProducerResult, ConsumerResult)) or m.transfer_id not in records:
+            return False
+        rec, (p, d) = records[m.transfer_id], pairs[m.transfer_id]
+        if isinstance(m, ProducerResult):
+            rec.producer = m
+        else:
+            rec.consumer = m
+            if not m.ok and rec.producer is None:
+                self.children.send(p.lead(), Drop(m.transfer_id))
+        if rec.producer is None or rec.consumer is None:
+            return False
+        ledger.release_prefill(p.index, self.plan.blocks_per_request)
+        ledger.release_decode(d.index, self.plan.blocks_per_request)
+        self.observer.settled(rec.consumer.ok and not rec.consumer.corrupt_blocks)
+        return True
 
     def shutdown(self) -> list[str]:
         """Stop every child (leaders first), whatever state they are in, and

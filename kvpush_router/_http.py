@@ -18,7 +18,7 @@ import anyio
 import h11
 from anyio.abc import ByteStream
 
-from ._router_core import FailureKind, UpstreamUrl
+from ._core import FailureKind, UpstreamUrl
 
 __all__ = (
     "BodyTooLarge",
