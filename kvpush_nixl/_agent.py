@@ -75,7 +75,7 @@ def _params(params: Mapping[str, object]) -> dict[str, str]:
 class NixlAgent:
     """One ``nixl_agent`` with the threads and lock mode kvpush wants."""
 
-    __slots__ = ("_agent", "name")
+    __slots__ = ("_api", "name")
 
     def __init__(
         self,
@@ -94,18 +94,18 @@ class NixlAgent:
             sync_mode=getattr(api.nixl_thread_sync_t, f"NIXL_THREAD_SYNC_{sync_mode}"),
         )
         try:
-            self._agent: Any = api.nixl_agent(name, config)
+            self._api: Any = api.nixl_agent(name, config)
         except Exception as exc:
             raise TransportError(f"NIXL could not create agent {name!r}: {describe(exc)}") from exc
         self.name = name
-        plugins = list(self._agent.get_plugin_list())
+        plugins = list(self._api.get_plugin_list())
         for backend, params in backends.items():
             if backend not in plugins:
                 raise TransportError(
                     f"NIXL has no {backend!r} plugin here (available: {', '.join(plugins)})"
                 )
             try:
-                self._agent.create_backend(backend, _params(params))
+                self._api.create_backend(backend, _params(params))
             except Exception as exc:
                 raise TransportError(
                     f"NIXL could not create backend {backend!r}: {describe(exc)}; it may need "
@@ -114,7 +114,7 @@ class NixlAgent:
                 ) from exc
 
     def backend_params(self, backend: str) -> dict[str, str]:
-        return dict(self._agent.get_backend_params(backend))
+        return dict(self._api.get_backend_params(backend))
 
     # --- memory and metadata ---------------------------------------------------
 
@@ -125,7 +125,7 @@ class NixlAgent:
         for memory in sorted({s.memory for s in spans}):
             descs = [(s.base, s.length, s.device, "") for s in spans if s.memory == memory]
             try:
-                done.append(self._agent.register_memory(descs, memory))
+                done.append(self._api.register_memory(descs, memory))
             except Exception as exc:
                 for handle in done:
                     self.deregister(handle)
@@ -136,24 +136,24 @@ class NixlAgent:
 
     def deregister(self, handle: Handle) -> str | None:
         try:
-            self._agent.deregister_memory(handle)
+            self._api.deregister_memory(handle)
         except Exception as exc:
             return describe(exc)
         return None
 
     def metadata(self) -> bytes:
-        return bytes(self._agent.get_agent_metadata())
+        return bytes(self._api.get_agent_metadata())
 
     def add_remote(self, metadata: bytes) -> str:
         try:
-            name = self._agent.add_remote_agent(metadata)
+            name = self._api.add_remote_agent(metadata)
         except Exception as exc:
             raise TransportError(f"NIXL refused the peer's metadata: {describe(exc)}") from exc
         return name.decode() if isinstance(name, bytes) else str(name)
 
     def remove_remote(self, name: str) -> str | None:
         try:
-            self._agent.remove_remote_agent(name)
+            self._api.remove_remote_agent(name)
         except Exception as exc:
             return describe(exc)
         return None
@@ -173,10 +173,10 @@ class NixlAgent:
         """Build descriptor lists from rows, create the request and post it."""
         handle = None
         try:
-            src = self._agent.get_xfer_descs(local, local_mem)
-            dst = self._agent.get_xfer_descs(remote, remote_mem)
-            handle = self._agent.initialize_xfer(op, src, dst, peer, notice)
-            status = self._agent.transfer(handle)
+            src = self._api.get_xfer_descs(local, local_mem)
+            dst = self._api.get_xfer_descs(remote, remote_mem)
+            handle = self._api.initialize_xfer(op, src, dst, peer, notice)
+            status = self._api.transfer(handle)
         except Exception as exc:
             if handle is not None:
                 self.release(handle)
@@ -187,7 +187,7 @@ class NixlAgent:
         """A prepared list of ``peer``'s rows (``None``: local rows)."""
         target = "NIXL_INIT_AGENT" if peer is None else peer
         try:
-            return self._agent.prep_xfer_dlist(target, rows, memory)
+            return self._api.prep_xfer_dlist(target, rows, memory)
         except Exception as exc:
             side = "local" if peer is None else "remote"
             raise TransportError(
@@ -199,8 +199,8 @@ class NixlAgent:
     ) -> Handle:
         handle = None
         try:
-            handle = self._agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notice)
-            status = self._agent.transfer(handle)
+            handle = self._api.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notice)
+            status = self._api.transfer(handle)
         except Exception as exc:
             if handle is not None:
                 self.release(handle)
@@ -216,7 +216,7 @@ class NixlAgent:
     def state(self, handle: Handle) -> str:
         """``"DONE"``, ``"PROC"`` or ``"ERR"``; a NIXL exception becomes TransportError."""
         try:
-            return str(self._agent.check_xfer_state(handle))
+            return str(self._api.check_xfer_state(handle))
         except Exception as exc:
             raise TransportError(f"transfer failed: {describe(exc)}") from exc
 
@@ -230,17 +230,17 @@ class NixlAgent:
 
     def notifs(self) -> dict[str, list[bytes]]:
         try:
-            got = self._agent.get_new_notifs()
+            got = self._api.get_new_notifs()
         except Exception as exc:
             raise TransportError(f"NIXL could not fetch notifications: {describe(exc)}") from exc
         return {str(k): [bytes(m) for m in v] for k, v in got.items()}
 
     def send_notif(self, peer: str, message: bytes) -> None:
         try:
-            self._agent.send_notif(peer, message)
+            self._api.send_notif(peer, message)
         except Exception as exc:
             raise TransportError(f"NIXL could not send the notice: {describe(exc)}") from exc
 
     def close(self) -> None:
         """Drop the agent (its destructor tears NIXL down)."""
-        self._agent = None
+        self._api = None

@@ -58,7 +58,8 @@ def _as(name: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class RouterOptions:
     """``kvpush router``'s flags, one field each (``--timeout``: ``timeout``;
-    ``--block-size``, vLLM's name: ``tokens_per_block``). Where a flag sets a :class:`RouterConfig` setting, the setting declares it."""
+    ``--block-size``, vLLM's name: ``tokens_per_block``). Where a flag sets a
+    :class:`RouterConfig` setting, the setting declares it."""
 
     prefill: tuple[str, ...] = option(
         help="a prefill instance: its HTTP URL and its kvpush control address, "

@@ -1,12 +1,9 @@
-"""Per-request breakdown: where one request's time went inside the engines.
+"""Per-request breakdown: where one request's time went inside the engines
+(docs/performance.md, "Per-request breakdown").
 
-The core's :class:`~kvpush.protocol.Timeline` has the protocol's moments; the
-connector adds what only vLLM's side sees: when the scheduler first looked at
-the request, when vLLM learnt its KV had arrived (``finished_recving``), and
-its first decode step. With ``timeline_file`` set, each finished transfer is
-one JSON line there, on ``time.monotonic()`` (one clock for every process of
-a host), so ``benchmarks/vllm_peer.py`` joins the router's, the prefill's and
-the decode's lines by transfer id. Off, nothing is stamped or kept.
+With ``timeline_file`` set, each finished transfer is one JSON line there: the
+core's :class:`~kvpush.protocol.Timeline` and the moments only vLLM's side
+sees, on ``time.monotonic()``. Off, nothing is stamped or kept.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """The device copier: the gathers and scatters of staged transfers, in torch
-(``kvpush.runtime.Copier``; the runtime copies host memory itself, and torch
-is imported only here, in the vLLM shim: docs/architecture.md).
+(``kvpush.runtime.Copier``; torch is imported only here: docs/architecture.md;
+the method and its speed: docs/layouts.md, "Staged transfers").
 
 Rows are ``(address, length, device)``, every address inside one of the
 tensors the copier was built with (the KV caches and the staging pool). Rows
 of one length at offsets that are multiples of it are copied as rows of a 2-D
-view, eight bytes per element where the length allows: ``index_select``
-straight into a contiguous destination (a gather), ``index_copy_`` out of a
-contiguous source (a scatter), both otherwise; anything else row by row. On
-one H200 (issue 27): ``index_select`` 1.8 TB/s; ``index_copy_`` 1.7 TB/s on
-8-byte elements but 0.37 on bytes. The copies run on the copier's own stream
-and :meth:`TorchCopier.copy` returns once it is synchronized: a gathered slot
-is complete before the write that reads it is posted, a scatter before its
-notice reaches the core.
+view, eight bytes per element where the length allows; anything else row by
+row. :meth:`TorchCopier.copy` returns once its stream is synchronized: a
+gathered slot is complete before the write that reads it is posted, a scatter
+before its notice reaches the core.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""The ``kv_transfer_params`` the kvpush router sends and the connector reads.
+"""The ``kv_transfer_params`` the kvpush router sends and the connector reads:
+the one definition of that schema (docs/router.md, docs/contract.md).
 
-This module is the one definition of that schema (docs/router.md): the router
-builds it with :meth:`TransferParams.to_params`, the connector parses it with
-:meth:`TransferParams.from_params`. Each proxied request reaches the prefill and
-the decode with ``{"kvpush": {"transfer_id", "role", "mode", "peer"}}``, every
-key required, ``seal`` the one other key allowed (a decode leg a prefill
-answered). ``peer`` on the prefill leg names the decode (informational: the
-decode registers with the prefill, never the other way round); on the decode
-leg it is the prefill's control address, ``host:port`` (IPv6 as
-``[addr]:port``), which the decode connects to. Other top-level keys (another
-connector's) are ignored. ``_contract.py`` parses the other shapes kvpush reads
-into the same :class:`TransferParams` (docs/contract.md), and a
-:class:`Release` (``"kvpush_release"``), the router's word that a decode leg
-failed before the decode's engine saw it.
+The router builds ``{"kvpush": {"transfer_id", "role", "mode", "peer"}}`` with
+:meth:`TransferParams.to_params` (``seal`` the one other key allowed), the
+connector parses it with :meth:`TransferParams.from_params`; ``_contract.py``
+parses the other shapes kvpush reads into the same :class:`TransferParams`,
+and a :class:`Release`. On the decode leg ``peer`` is the prefill's control
+address, which the decode connects to; on the prefill leg it is only
+informational (the decode registers with the prefill, never the reverse).
 """
 
 from __future__ import annotations

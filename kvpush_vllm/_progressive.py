@@ -1,19 +1,13 @@
 """Progressive push on a prefill instance: which blocks each step computed.
 
-With chunked prefill a prompt takes several engine steps; with ``progressive``
-each step's chunk goes to the core as an increment
-(``Producer.kv_ready(final=False)``) once its KV is known written:
-``build_connector_meta`` lists the tracked requests of step N and the tokens
-they will have once its forward is done (:meth:`Progress.plan`); every worker
-echoes that list after its ``wait_for_save`` of step N; once every rank echoed
-a request's tokens, its whole blocks so far are the increment
-(:meth:`Progress.computed`). The last chunk is never one: ``request_finished``
-gives the whole source, as without progressive push.
-
-A prefill preempted by its own scheduler loses its blocks (vLLM recomputes it
-into others later), and a source can only grow: it stops being tracked, and a
-transfer that got an increment already is abandoned (:meth:`Progress.preempted`;
-the decode fails the load and recomputes, as ``kv_load_failure_policy`` says).
+With chunked prefill and ``progressive``, each step's chunk goes to the core
+as an increment (``Producer.kv_ready(final=False)``) once its KV is known
+written: :meth:`Progress.plan` lists step N's tracked requests and their
+tokens after its forward, every worker echoes that after its
+``wait_for_save``, and once every rank did, :meth:`Progress.computed` gives
+the whole blocks so far. ``request_finished`` gives the whole source, as
+without progressive push. A preempted prefill loses its blocks while a source
+can only grow, so :meth:`Progress.preempted` abandons its transfer.
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
 """The connector's scheduler side: one kvpush endpoint per vLLM instance.
 
 A :class:`SchedulerSide` runs in vLLM's engine-core process and owns the
-instance's control channel and protocol endpoint (a ``Consumer`` on a decode, a
-``Producer`` on a prefill), pumped on a background loop
+instance's control channel and protocol endpoint, pumped on a background loop
 (:class:`~kvpush.runtime.SyncRuntime`); the data plane is the workers'
-(:class:`WorkerBridge`). It only translates: requests become reservations or
-KV-ready inputs, and events become what vLLM hears (docs/vllm.md, "What happens
-to a request"):
+(:class:`WorkerBridge`). It only translates requests into the core's inputs
+and events into what vLLM hears (docs/vllm.md, "What happens to a request"):
+a decode's ``Failed`` only at ``Released``, as no late write can land in the
+blocks after. vLLM's scheduler thread runs the core under the runtime's lock
+and never waits for its loop, but for the first leg to a new prefill.
 
-* decode, ``Ready`` -> ``finished_recving``;
-* decode, ``Failed``: only at ``Released`` (no late write can land in the
-  blocks before) -> ``finished_recving`` with the blocks as load errors;
-* decode, a load vLLM finished (aborted): its blocks wait for ``Released``
-  -> ``finished_sending``;
-* prefill, ``SourceReleased`` -> ``finished_sending``.
-
-In the step whose workers' results settled it (:meth:`SchedulerSide.results`),
-else with the next step's metadata. vLLM's scheduler thread runs the core under
-the runtime's lock and never waits for its loop, but for the first leg to a new
-prefill (the channel's route).
+:class:`Registrar` registers the instance with vllm-router's ZMQ discovery
+when ``router_discovery`` is set (docs/contract.md, "Running behind
+vllm-router"): the router writes the registered ``zmq_address`` verbatim into
+each request id, where the decode reads the prefill's address
+(``_contract.peer_of_request_id``), so kvpush registers its control address.
 """
 
 from __future__ import annotations
@@ -32,6 +27,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgpack
 
 from kvpush.protocol import (
     Codec,
@@ -60,15 +57,13 @@ from kvpush.runtime import (
 )
 
 from ._breakdown import Breakdown
-from ._bridge import Outbound, WorkerBridge
+from ._bridge import Doorbell, Outbound, WorkerBridge
 from ._config import ConnectorConfig
 from ._contract import REFUSALS, host_port
-from ._discovery import Registrar, registration
-from ._doorbell import Doorbell
 from ._params import ParamsError, TransferParams
 from ._tensors import token_scale
 
-__all__ = ("Reports", "SchedulerSide")
+__all__ = ("PERIOD", "Registrar", "Reports", "SchedulerSide", "registration")
 
 log = logging.getLogger("kvpush.vllm")
 
@@ -224,9 +219,7 @@ class SchedulerSide:
         return host_port(self.config.host, self.port)
 
     def stats(self) -> dict[str, Any]:
-        """Since the last call: phase durations (``h:<phase>``), the core's
-        block gauges (``g:<kind>``, when they changed), parameters refused by
-        class (``r:<reason>``), declines and releases. See ``_stats.py``."""
+        """The ``_stats.py`` keys since the last call (gauges when they changed)."""
         out: dict[str, Any] = {}
         with self._lock:
             phases, self._phases = self._phases, []
@@ -286,10 +279,8 @@ class SchedulerSide:
         return max(0, prompt - computed)
 
     def refused(self, req_id: str, exc: ParamsError) -> None:
-        """A leg the contract refused: counted by class (``r:<reason>``),
-        logged (the first of its class at ERROR, naming the fix; the rest at
-        DEBUG), and its prefill told to release the KV when the decode trusts
-        the leg (``exc.leg``: never a leg refused for trust)."""
+        """A leg the contract refused: counted and logged by class; its prefill
+        is told to release the KV only for a trusted leg (``exc.leg``)."""
         with self._lock:
             self._counts[f"r:{exc.reason}"] += 1
             first = exc.reason not in self._refusals_logged
@@ -311,12 +302,10 @@ class SchedulerSide:
             self.decline(exc.leg)
 
     def decline(self, params: TransferParams) -> None:
-        """This decode will not load ``params``' transfer (it refused the leg,
-        or its reservation was refused): tell its prefill to release the KV
-        now, not at the end of its ``kv_hold_timeout`` (``Consumer.decline``).
-        The caller trusts ``params.peer`` (sealed leg or allowed peer): this
-        never dials it, and sends nothing without a handshake with it.
-        Counted: ``declined``, or ``decline_unsent``."""
+        """This decode will not load ``params``' transfer: tell its prefill to
+        release the KV now, not at its ``kv_hold_timeout``. The caller trusts
+        ``params.peer``; even so this never dials it, and sends nothing
+        without a handshake with it."""
         sent = False
         if self._sync is not None and params.peer in self._routes:
             sent = self._sync.runtime.decline(params.transfer_id, params.peer)
@@ -338,9 +327,8 @@ class SchedulerSide:
     def reserve(
         self, req_id: str, params: TransferParams, blocks: list[int], skip_tokens: int
     ) -> None:
-        """Reserve ``blocks`` and register them with the prefill (``params.peer``).
-        A reservation the core refuses fails the load now (vLLM recomputes it)
-        and tells the prefill to release its KV (:meth:`decline`)."""
+        """Reserve ``blocks`` and register them with ``params.peer``; a refused
+        reservation fails the load now and tells the prefill (:meth:`decline`)."""
         self._waiting.pop(req_id, None)
         rt = self._route(params).runtime
         # Under the lock from the call to the bookkeeping: a step() on another
@@ -398,11 +386,6 @@ class SchedulerSide:
 
     # --- prefill -----------------------------------------------------------------
 
-    def scheduled(self, req_id: str, params: TransferParams | None) -> None:
-        """vLLM looked at a prefill request for the first time (breakdown only)."""
-        if params is not None and params.role == "prefill":
-            self.breakdown.stamp(req_id, "scheduled", transfer_id=params.transfer_id)
-
     def kv_ready(self, req_id: str, params: TransferParams, blocks: list[int]) -> bool:
         """The request's KV is complete in ``blocks``; True: keep them until sent."""
         if not blocks:
@@ -426,10 +409,8 @@ class SchedulerSide:
         self._runtime().abort(params.transfer_id)
 
     def release(self, transfer_id: str) -> None:
-        """A release (the router's: the decode leg of ``transfer_id`` failed
-        before the decode's engine saw it): release its KV now, held or yet to
-        come (the core's abort leaves a tombstone that gives back KV readied
-        later, and refuses a registration)."""
+        """The router's release of ``transfer_id`` (docs/contract.md): its KV
+        now, held or yet to come (the core's abort leaves a tombstone)."""
         with self._lock:
             self._counts["release_legs"] += 1
         log.debug("kvpush: release of %s from the router", transfer_id)
@@ -437,8 +418,7 @@ class SchedulerSide:
             self._sync.runtime.abort(transfer_id)
 
     def expecting(self) -> bool:
-        """Whether a transfer is open (a load, a held source, blocks waiting
-        for their release): a peer may be moving bytes to or from the
+        """Whether a transfer is open: a peer may move bytes to or from the
         workers, so their data planes must poll."""
         with self._lock:
             return bool(self._by_key)
@@ -450,9 +430,8 @@ class SchedulerSide:
     # --- every step ----------------------------------------------------------------
 
     def step(self, idle: bool = False) -> tuple[Outbound, Reports]:
-        """Drain protocol events (here and in :meth:`results`, the only two
-        drains); what goes to the workers this step. ``idle``: vLLM scheduled
-        nothing this step (see :meth:`_idle_wait`)."""
+        """Drain protocol events (here and in :meth:`results` only); what goes
+        to the workers this step. ``idle``: vLLM scheduled nothing."""
         with self._lock:
             self._steps += 1
             if self._sync is not None:
@@ -475,17 +454,10 @@ class SchedulerSide:
         return any(tr.state == "loading" for tr in self._by_key.values())
 
     def _idle_wait(self, sync: SyncRuntime[Any]) -> list[Event]:
-        """Wait up to ``idle_wait`` for an event or a transfer for the workers.
-
-        vLLM steps its engine loop while a request waits for remote KV, with a
-        1 ms nap between empty steps: each is a schedule, a round trip to the
-        worker processes and back. On CPU that costs the decode more than a
-        core (``benchmarks/vllm_peer.py``, ``waiting_for_kv``), taken from the
-        prefill it waits for. Waiting here instead caps the rate of empty
-        steps. It ends at once when a worker rings (``_doorbell.py``: it has a
-        result, a push notice or a read done, that reaches this side only with
-        the step's output), and within ``_SLICE`` on an event or a transfer to
-        ship (a pull's Announce)."""
+        """Wait up to ``idle_wait`` for an event or a transfer for the workers:
+        vLLM's empty steps while a request waits for remote KV cost the decode
+        a core (docs/performance.md, "A waiting decode"). A worker's ring ends
+        it at once, an event or a transfer to ship within ``_SLICE``."""
         assert self._doorbell is not None  # _should_wait
         deadline = time.monotonic() + self.config.idle_wait
         while (left := deadline - time.monotonic()) > 0 and not self.bridge.has_actions():
@@ -496,15 +468,11 @@ class SchedulerSide:
         return []
 
     def results(self, results: list[Result]) -> Reports:
-        """The workers' transfer results and notices, fed to the core now, on
-        this thread; returns what vLLM can hear in this very step (loads that
-        finished, sources released), taken out of the next step's reports.
-
-        vLLM calls ``update_connector_output`` before it reads the step's
-        ``finished_recving`` and ``finished_sending``, so a load whose last
-        notice reached a worker during step N is scheduled in step N+1, not a
-        round trip through the workers later (N+2). A failed load stays on the
-        workers' path: vLLM reads load errors before this call."""
+        """The workers' results, fed to the core now; returns what vLLM can
+        hear in this very step, taken out of the next step's reports: vLLM
+        calls ``update_connector_output`` before it reads the step's
+        ``finished_recving`` and ``finished_sending``. A failed load stays on
+        the workers' path: vLLM reads load errors before this call."""
         if self._sync is None:  # not started: no transfer was ever shipped
             return Reports()
         rt = self._sync.runtime
@@ -516,20 +484,6 @@ class SchedulerSide:
             now = Reports(r.sending, {req for req in r.recving if req not in r.failed})
             r.sending, r.recving = set(), r.recving - now.recving
         return now
-
-    def recving_seen(self, req_ids: set[str]) -> None:
-        """vLLM's scheduler took these loads as finished (breakdown only)."""
-        for req_id in req_ids:
-            if self.breakdown.waiting(req_id, "reported"):
-                self.breakdown.stamp(req_id, "recving_seen")
-
-    def first_steps(self, req_ids: list[str]) -> None:
-        """vLLM scheduled these requests (breakdown only): a loaded one's first
-        decode step ends its line."""
-        for req_id in req_ids:
-            if self.breakdown.waiting(req_id, "recving_seen"):
-                self.breakdown.stamp(req_id, "first_step")
-                self.breakdown.write(req_id, outcome="ready")
 
     # --- internals -----------------------------------------------------------------
 
@@ -543,9 +497,8 @@ class SchedulerSide:
         return self._running()[0].runtime
 
     def _route(self, params: TransferParams) -> SyncRuntime[Any]:
-        """Make sure the channel dials ``params.peer`` at its address: a hop
-        onto the loop the first time a prefill (or a new address of it) is
-        seen, none after."""
+        """Make sure the channel dials ``params.peer`` at its address (a hop
+        onto the loop only for a new prefill or address)."""
         sync, channel = self._running()
         address = params.peer_address()
         if self._routes.get(params.peer) != address:
@@ -619,3 +572,55 @@ class SchedulerSide:
             del self._key_of[tr.req_id]
         if tr.state in ("loading", "failed") and self.role is Role.CONSUMER:
             self._done.add(tr.req_id)  # its load ended: never again
+
+
+#: Seconds between heartbeats (vllm-router drops an entry 5 s after the last).
+PERIOD = 1.0
+
+
+def registration(prefill: bool, http: str, control: str) -> dict[str, str]:
+    """The map vllm-router 0.1.17 takes (its keys and values are exact: a
+    lower-case role or ``transfer_mode`` is dropped)."""
+    return {
+        "type": "P" if prefill else "D",
+        "http_address": http,
+        "zmq_address": control,
+        "transfer_mode": "WRITE",
+    }
+
+
+class Registrar:
+    """Sends :func:`registration` to the router every :data:`PERIOD` on its own
+    thread until :meth:`close`; a router that is down or restarts is reached
+    when it comes back (ZMQ reconnects and queues)."""
+
+    def __init__(self, router: str, message: dict[str, str], period: float = PERIOD) -> None:
+        import zmq  # pyzmq: only an instance that registers needs it
+
+        self._ctx: Any = zmq.Context()
+        self._sock: Any = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 4)  # a router away: keep a few, drop the rest
+        self._sock.connect(f"tcp://{router}")
+        self._frame = msgpack.packb(message)
+        self._period = period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpush-discovery", daemon=True)
+        self._thread.start()
+        log.info("kvpush: registering with vllm-router at %s as %s", router, message)
+
+    def _run(self) -> None:
+        import zmq
+
+        while True:
+            with contextlib.suppress(zmq.Again):  # the queue is full: the router is away
+                self._sock.send(self._frame, flags=zmq.NOBLOCK)
+            if self._stop.wait(self._period):
+                return
+
+    def close(self) -> None:
+        """Stop the heartbeats: the router drops this instance within 5 s."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+        self._ctx.term()

@@ -1,17 +1,12 @@
 """What each engine step costs in the connector: vLLM's calls, timed.
 
 With ``step_profile_file`` set, every call vLLM makes into a connector instance
-is timed, and one JSON line per step cycle is appended to the file: when the
-cycle ended (``t``, ``time.monotonic()``: one clock for every process of a
-host), the instance's side and role, the requests vLLM scheduled, the
-nanoseconds and count of each method's calls since the previous step began,
-and the round trips to the runtime's thread (``hops``). A cycle starts at
-``build_connector_meta`` (scheduler) or ``bind_connector_metadata`` (worker),
-so a line also holds the end of the step before. Lines are buffered (every
-:data:`FLUSH_EVERY` steps or second, and at shutdown) and each write adds a
-``"threads"`` line, the OS ids of kvpush's threads, so a benchmark can read
-what they take from the engine. Off, nothing is wrapped.
-``benchmarks/vllm_peer.py`` reads them (docs/performance.md).
+is timed, and one JSON line per step cycle (from ``build_connector_meta`` or
+``bind_connector_metadata`` to the next) is appended to the file, on
+``time.monotonic()`` (one clock for every process of a host), with a
+``"threads"`` line per write (the OS ids of kvpush's threads). Off, nothing is
+wrapped. ``benchmarks/vllm_peer.py`` reads them (docs/performance.md, "The
+connector's cost per step").
 """
 
 from __future__ import annotations

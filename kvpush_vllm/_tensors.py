@@ -3,28 +3,13 @@
 :func:`layout_from_tensors` reads each tensor ``register_kv_caches`` hands the
 worker from its sizes and strides, never a backend's name, and describes it
 byte for byte; what it cannot prove it refuses with a :class:`ConfigError`
-naming ``kv_layout`` and giving the shape and strides. The families
-(docs/layouts.md; docs/vllm.md, "Supported and refused"):
-
-* **Packed** (vLLM 0.33 on GPUs): an ``as_strided`` view
-  ``(num_blocks, num_kv_heads, block_size, 2 * head_size)`` of one int8
-  buffer, each token row ``[k | v]``, in ``LBHNC`` / ``BLHNC`` (head-major) or
-  ``LBNHC`` / ``BLNHC`` (token-major) order: one ``"KV"`` region a layer whose
-  cell is one token's ``[k | v]`` of one head, so block-size ratios and head
-  slices cut it exactly. ``LHBNC`` / ``BHLNC`` (heads outside the block) are
-  refused; kernel blocks inside a manager block are one block only when
-  token-major and dense.
-* **Split** (vLLM before 0.33): ``(2, num_blocks, ...)`` or
-  ``(num_blocks, 2, ...)``, NHD or HND blocks: ``"K"`` and ``"V"`` regions.
-* **The CPU tile** (``platform == "cpu"``: the *same* 4-D shape as packed
-  ``LBHNC``): each (block, head) is ``block_size`` K rows, channel-major with
-  the ``vec`` ISAs (value ``c`` of token ``t`` at ``c * block_size + t``),
-  then ``block_size`` V rows. One ``"tile"`` region in HND order with
-  ``2 * block_size`` rows a block (:func:`token_scale` is 2, and prefix
-  lengths given to the core are scaled alike), exact only between tiles of
-  one size and format (``_proven.handshake_fingerprint``).
-
-MLA's latent cache is refused by name: nothing here proves it.
+naming ``kv_layout`` and giving the shape and strides. The families (packed,
+split, the CPU tile) are in docs/layouts.md, "The layout description", and
+docs/vllm.md, "Supported and refused". The platform, not the shape, tells the
+CPU tile from the packed ``LBHNC`` view: the tile has ``2 * block_size`` rows
+a block (:func:`token_scale`, by which prefix lengths given to the core are
+scaled too), exact only between tiles of one size and format
+(``_proven.handshake_fingerprint``).
 """
 
 from __future__ import annotations

@@ -3,17 +3,11 @@
 :class:`WorkerSide` registers the rank's KV tensors with one
 :class:`~kvpush_nixl.NixlTransport` and runs a single-rank
 :class:`~kvpush.runtime.DataPlane` on its own thread (never on vLLM's forward
-path). It hears from the scheduler side only through the connector metadata:
-the transfers to post and the peers' rank descriptions go down, results and
-notices come back up. Every worker gets every action and posts those whose
-route it serves (a producer rank the writes of its ``Source``, a consumer rank
-the reads of its ``consumer_rank``).
-
-The GPU ordering rule (docs/runtime.md): vLLM calls ``wait_for_save`` when
-the step's forward is *queued*. There :meth:`WorkerSide.computed` records a
-CUDA event on the forward's stream, and every write submitted after it waits
-on the data-plane thread for the latest event (stream order makes it cover
-every earlier step), never with a synchronize on the forward's thread.
+path). Every worker gets every action and posts those whose route it serves
+(a producer rank the writes of its ``Source``, a consumer rank the reads of
+its ``consumer_rank``). The GPU ordering rule (docs/runtime.md): vLLM calls
+``wait_for_save`` when the step's forward is *queued*, so writes wait for a
+CUDA event recorded there, on the data-plane thread, never in a synchronize.
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ from kvpush.runtime import (
     encode_rank,
 )
 
-from ._bridge import Staged
-from ._doorbell import Bell
+from ._bridge import Bell, Staged
 
 __all__ = ("WorkerSide",)
 
@@ -108,7 +101,7 @@ class WorkerSide:
         """Apply one step's metadata: new peers first, the decode's staging
         records, then our actions; ``expecting``: a transfer is open (the data
         plane polls only then); ``doorbell``: where to ring when results come
-        (``_doorbell.py``). Runs before the step's forward: a record dropped
+        (``_bridge.Doorbell``). Runs before the step's forward: a record dropped
         here is gone before the forward may reuse its blocks."""
         self._bell.aim(doorbell)
         dp = self._dataplane

@@ -1,21 +1,13 @@
-"""``KvpushConnector``: vLLM's KV connector interface over kvpush.
+"""``KvpushConnector``: vLLM's KV connector interface over kvpush
+(``kv_connector_module_path="kvpush_vllm.connector"``; docs/vllm.md).
 
-Select it with::
-
-    KVTransferConfig(kv_connector="KvpushConnector",
-                     kv_connector_module_path="kvpush_vllm.connector",
-                     kv_role="kv_producer" | "kv_consumer",
-                     kv_connector_extra_config={...})   # see docs/vllm.md
-
-vLLM makes one instance per role. The scheduler-side instance (engine-core
-process) wraps a :class:`~kvpush_vllm._scheduler.SchedulerSide`: the
-instance's protocol endpoint and control channel. Each worker-side instance
-(one per TP rank) wraps a :class:`~kvpush_vllm._worker.WorkerSide`: the
-rank's NIXL agent and data plane. They talk only through vLLM's own
-channels: :class:`KvpushMetadata` down every step (transfers to post, peers'
-rank descriptions, what to report finished), :class:`KvpushWorkerMetadata`
-up (transfer results, completion notices), and the handshake metadata once
-(each rank's NIXL metadata and KV layout). This class only translates calls.
+vLLM makes one instance per role: on the scheduler side (engine-core process)
+it wraps a :class:`~kvpush_vllm._scheduler.SchedulerSide`, the protocol
+endpoint and control channel; on each worker (TP rank) a
+:class:`~kvpush_vllm._worker.WorkerSide`, the rank's NIXL agent and data
+plane. They talk only through vLLM's channels: :class:`KvpushMetadata` down
+every step, :class:`KvpushWorkerMetadata` up, :class:`KvpushHandshake` once.
+This class only translates calls.
 """
 
 from __future__ import annotations
@@ -226,8 +218,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         req_id, prompt = request.request_id, len(request.prompt_token_ids or ())
         if self._kv_role is not Role.CONSUMER:
             leg = self._params(request)  # at first sight: a release acts now
-            if self._sched.breakdown.enabled:
-                self._sched.scheduled(req_id, leg)
+            if leg is not None:
+                self._sched.breakdown.stamp(req_id, "scheduled", transfer_id=leg.transfer_id)
             if self._progress is not None and leg is not None and leg.mode is Mode.PUSH:
                 self._progress.track(req_id, leg.transfer_id, prompt)
             return 0, False
@@ -253,9 +245,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._sched.preempted(req_id)
             self._prefill_preempted(req_id)
-        if self._sched.breakdown.enabled:
-            new = getattr(scheduler_output, "scheduled_new_reqs", None) or ()
-            self._sched.first_steps([r.req_id for r in new])
+        breakdown = self._sched.breakdown
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            if breakdown.waiting(new.req_id, "recving_seen"):  # a loaded request's first step
+                breakdown.stamp(new.req_id, "first_step")
+                breakdown.write(new.req_id, outcome="ready")
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         scheduled = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         if self._clock is not None:
@@ -288,8 +282,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._sched.abandon(req_id, leg)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._sched is None:
+            return
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if self._sched is not None and isinstance(meta, KvpushWorkerMetadata):
+        if isinstance(meta, KvpushWorkerMetadata):
             # vLLM reads finished_recving/sending right after this call: what
             # these results finished is heard in this step (_scheduler.results).
             now = self._sched.results(meta.results)
@@ -301,9 +297,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self._progress is not None and meta.computed:
                 for _, transfer_id, blocks in self._progress.computed(meta.computed):
                     self._sched.kv_increment(transfer_id, blocks)
-        recving = getattr(connector_output, "finished_recving", None)
-        if self._sched is not None and recving and self._sched.breakdown.enabled:
-            self._sched.recving_seen(set(recving))
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            if self._sched.breakdown.waiting(req_id, "reported"):
+                self._sched.breakdown.stamp(req_id, "recving_seen")
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if self._sched is None:

@@ -1,4 +1,4 @@
-"""The registration vllm-router's ZMQ discovery takes (``_discovery.py``),
+"""The registration vllm-router's ZMQ discovery takes (``_scheduler.Registrar``),
 received by a ZMQ ROUTER socket as the router binds one."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq", reason="pyzmq is not installed (make test installs it)")
 
-from kvpush_vllm._discovery import Registrar, registration  # noqa: E402
+from kvpush_vllm._scheduler import Registrar, registration  # noqa: E402
 
 
 def test_the_registrar_heartbeats_the_exact_map_until_closed() -> None:

@@ -4,6 +4,8 @@
   ``block_size``: that name is read off vLLM's objects (``cache_config.block_size``)
   and kept for the facts the handshake compares by vLLM's own flag names
   (``kvpush_vllm/_proven.py``), and nowhere else. ``block_tokens`` is gone.
+* ``agent`` is a transport agent's name (a ``str``) in every layer; the NIXL
+  agent object is a ``NixlAgent`` (``nixl``).
 * ``Pair`` (a source and a consumer rank) is defined once, in the core.
 * "router" is the HTTP application (``kvpush_router``): no other package has a
   module or a class of that name (the demo's process manager is a supervisor,
@@ -52,6 +54,28 @@ def misnamed(path: str, source: str) -> list[str]:
     return found
 
 
+def _annotated(tree: ast.AST) -> Iterator[tuple[str, int, ast.expr]]:
+    """Every annotated argument and annotated assignment, with its annotation."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            yield node.arg, node.lineno, node.annotation
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target
+            name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
+            yield name, node.lineno, node.annotation
+
+
+def agents_not_named(path: str, source: str) -> list[str]:
+    """Bindings called ``agent`` annotated as anything but a name (``object``: a
+    name not yet checked, as a validator takes it)."""
+    return [
+        f"{path}:{line}: {name}: {ast.unparse(annotation)}"
+        for name, line, annotation in _annotated(ast.parse(source))
+        if name.lstrip("_") == "agent"
+        and ast.unparse(annotation) not in ("str", "str | None", "object")
+    ]
+
+
 def _sources() -> Iterator[tuple[str, str]]:
     for package in PACKAGES:
         for file in sorted((ROOT / package).rglob("*.py")):
@@ -61,6 +85,16 @@ def _sources() -> Iterator[tuple[str, str]]:
 def test_one_name_per_concept_in_every_package() -> None:
     found = [hit for path, source in _sources() for hit in misnamed(path, source)]
     assert found == []
+
+
+def test_an_agent_is_a_name() -> None:
+    found = [hit for path, source in _sources() for hit in agents_not_named(path, source)]
+    assert found == []
+    planted = (
+        "class T:\n    def __init__(self, agent: NixlAgent) -> None:\n        self._agent: Any = 1\n"
+    )
+    assert len(agents_not_named("kvpush_nixl/_x.py", planted)) == 2
+    assert agents_not_named("kvpush_nixl/_x.py", "def f(agent: str) -> None: ...\n") == []
 
 
 def test_pair_is_defined_once() -> None:

@@ -424,7 +424,7 @@ def test_the_breakdown_has_every_moment_of_a_request_in_order(
         tid, peer = f"kvp-bd-{mode}", prefill.config.engine_id
         params_d = TransferParams(tid, "decode", Mode(mode), peer)
         params_p = TransferParams(tid, "prefill", Mode(mode), "decode-url")
-        prefill.sched.scheduled("p-1", params_p)
+        prefill.sched.breakdown.stamp("p-1", "scheduled", transfer_id=tid)  # as the connector
         assert decode.sched.tokens_to_load("d-1", params_d, 64, 0) == 64
         decode.sched.reserve("d-1", params_d, [10, 2, 7, 8], 0)
         assert prefill.sched.kv_ready("p-1", params_p, [3, 4, 5, 9]) is True
@@ -432,9 +432,17 @@ def test_the_breakdown_has_every_moment_of_a_request_in_order(
             [prefill, decode],
             lambda: "d-1" in decode.seen.recving and "p-1" in prefill.seen.sending,
         )
-        decode.sched.first_steps(["d-1"])  # not yet seen by vLLM's scheduler: no line
-        decode.sched.recving_seen({"d-1", "other"})
-        decode.sched.first_steps(["other", "d-1"])
+        # As the connector does: a first step ends the line only once vLLM's
+        # scheduler saw the load finished, and only for a reported load.
+        bd = decode.sched.breakdown
+        assert not bd.waiting("d-1", "recving_seen")  # no line yet
+        for req_id in ("d-1", "other"):
+            if bd.waiting(req_id, "reported"):
+                bd.stamp(req_id, "recving_seen")
+        assert not bd.waiting("other", "recving_seen")
+        assert bd.waiting("d-1", "recving_seen")
+        bd.stamp("d-1", "first_step")
+        bd.write("d-1", outcome="ready")
     finally:
         prefill.close()
         decode.close()

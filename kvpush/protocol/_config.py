@@ -31,11 +31,9 @@ class Timing:
     posted write or read settles (lands or dies) within this many seconds.
 
     The handshake's liveness (no safety rests on these): an unanswered hello
-    is sent again after ``hello_retry`` seconds, then after twice that, and so
-    on up to ``hello_retry_max`` between two; after ``hello_retries`` resends
-    the handshake waits for the next reservation or connection. (Defaults: 1,
-    2, 4, 8, 8, ... s, 8 resends, about 47 s, longer than the default
-    ``ready_timeout``.)
+    is sent again after ``hello_retry`` seconds, then twice that, up to
+    ``hello_retry_max``; after ``hello_retries`` resends (by default about
+    47 s) it waits for the next reservation or connection.
 
     ``stall_window``: after the runtime reports a stall (``stalled()``),
     lease-bearing messages received within this many seconds are dropped;
@@ -54,8 +52,7 @@ class Timing:
 
     @property
     def stall_guard(self) -> float:
-        """Seconds after a reported stall during which lease-bearing messages
-        are dropped (``stall_window``, else ``max_transit / 2``)."""
+        """``stall_window``, else ``max_transit / 2``."""
         return self.max_transit / 2 if self.stall_window is None else self.stall_window
 
 
@@ -96,8 +93,7 @@ class Identity:
     def hello(
         self, role: Role, op_bound: float, max_transit: float = Timing().max_transit
     ) -> Hello:
-        """The handshake message this identity sends (an endpoint passes its
-        ``Timing``'s ``op_bound`` and ``max_transit``)."""
+        """The handshake message this identity sends."""
         return Hello(
             self.engine_id,
             self.instance,
@@ -127,18 +123,13 @@ class ConsumerConfig:
     ``ready_timeout``). ``max_reserved_blocks``: budget over all reservations,
     draining and suspect ones included (``None`` = unlimited).
     ``max_suspect_blocks``: while a producer keeps more suspect blocks than
-    this (failed epochs it neither settled nor was lost after their
-    quarantine), reservations from it are refused (``PEER_SUSPECT``).
-    ``None`` (the default): a quarter of ``max_reserved_blocks``, unlimited
-    without a budget. A suspect transfer keeps only its own blocks, and
-    each ends (its producer settles it, cancels an op that never reported,
-    or is proven gone), so other work with that producer goes on meanwhile;
-    the cap only keeps one silent producer from taking the whole pool.
+    this, reservations from it are refused (``PEER_SUSPECT``); ``None``: a
+    quarter of ``max_reserved_blocks``. The cap only keeps one silent
+    producer from taking the whole pool: each suspect transfer ends alone.
     ``epoch_base``: epochs this endpoint hands out start above it (use e.g. a
     start timestamp). ``staging_bytes``: the staging pool every consumer
-    rank registers (``KVLayout.staging``, at least this large), handed out
-    in slots of whole ``staging_page`` pages to push reservations that ask
-    (``reserve(stage_bytes=...)``); 0: none, every transfer in place.
+    rank registers, handed out in slots of whole ``staging_page`` pages to
+    push reservations that ask (``reserve(stage_bytes=...)``); 0: none.
     """
 
     identity: Identity

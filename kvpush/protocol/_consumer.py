@@ -1,9 +1,7 @@
 """The decode-side endpoint: reservations, registration, per-rank completion.
 
-One :class:`Consumer` serves one decode instance (all its TP ranks). Each
-reservation is one (transfer, epoch) and moves through ``CONSUMER_PUSH`` or
-``CONSUMER_PULL`` in ``_tables.py``; this module computes which input applies
-and defines the effects their rows name.
+One :class:`Consumer` serves one decode instance (all its TP ranks); each
+reservation, one (transfer, epoch), moves through ``CONSUMER_PUSH`` or ``CONSUMER_PULL``.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ._config import ConsumerConfig
-from ._endpoint import Endpoint, PeerView, Timer, overdue_pairs
+from ._endpoint import Endpoint, PeerView, Timer
 from ._errors import LocalProtocolError
 from ._machine import Machine
 from ._messages import (
@@ -30,7 +28,7 @@ from ._messages import (
     Withdraw,
     WriteFailed,
 )
-from ._outputs import Cancel, Failed, Ready, Released, Send, StartRead
+from ._outputs import Failed, Ready, Released, Send, StartRead
 from ._slots import SlotPool
 from ._tables import CONSUMER_PULL, CONSUMER_PUSH, CInput, CState, PeerState
 from ._timeline import OpStamps, Timeline, TimelineBuilder
@@ -128,8 +126,7 @@ class _Reservation:
     settled: set[Pair] = field(default_factory=set)
     quarantine_at: float = 0.0
     failed: bool = False
-    #: The producer instance the registration went to, and its op bound
-    #: (from its hello).
+    #: The producer instance the registration went to, and its op bound.
     instance: int = -1
     op_bound: float = 0.0
     #: Pull: what to tell the producer once our reads settle.
@@ -138,8 +135,7 @@ class _Reservation:
     #: when the next one goes out.
     attempt: int = 0
     retry_at: float = 0.0
-    #: Probes sent while ``SUSPECT`` (up to the backoff's cap; see
-    #: ``SUSPECT_PROBE_CAP``).
+    #: Probes sent while ``SUSPECT`` (see ``SUSPECT_PROBE_CAP``).
     probes: int = 0
     timers: dict[Timer, float] = field(default_factory=dict)
     #: Pull: the pairs with a read in flight, and when each is overdue (its
@@ -227,10 +223,9 @@ class Consumer(Endpoint):
         Returns :class:`Refused` instead of raising when the caller can act on it."""
         check_transfer_id(transfer_id)
         ids = check_blocks(blocks, self.identity.kv_groups)
-        if type(skip_tokens) is not int or skip_tokens < 0:
-            raise LocalProtocolError(f"skip_tokens must be an int >= 0, got {skip_tokens!r}")
-        if type(stage_bytes) is not int or stage_bytes < 0:
-            raise LocalProtocolError(f"stage_bytes must be an int >= 0, got {stage_bytes!r}")
+        for name, value in (("skip_tokens", skip_tokens), ("stage_bytes", stage_bytes)):
+            if type(value) is not int or value < 0:
+                raise LocalProtocolError(f"{name} must be an int >= 0, got {value!r}")
         if transfer_id in self._live:
             raise LocalProtocolError(
                 f"transfer {transfer_id!r} already has a live reservation; preempt or abort it"
@@ -265,14 +260,13 @@ class Consumer(Endpoint):
             self._step(now, rec, CInput.PEER_READY)
         elif view is None or view.state is PeerState.DISCONNECTED:
             self.connect(now, peer)
-        elif view.state is PeerState.HELLO_SENT and not self._retrying(peer):
+        elif view.state is PeerState.HELLO_SENT and not self._peer_timers.get(peer):
             # Our hello went unanswered through every retry: try again now.
             self._counters["hello_restarted_by_reserve"] += 1
             self.connect(now, peer)
         return Reserved(transfer_id, rec.epoch, rec.stage)
 
     def _take_slot(self, rec: _Reservation, nbytes: int) -> None:
-        """A push reservation's staging slot, if it asks and one is free."""
         if nbytes and rec.mode is Mode.PUSH:
             rec.stage = self._slots.take(nbytes) or ()
             self._counters["staged" if rec.stage else "staging_full"] += 1
@@ -309,9 +303,8 @@ class Consumer(Endpoint):
 
     def keep(self, now: float, transfer_id: str, peer: str) -> bool:
         """Ask producer ``peer`` to keep the ready KV of ``transfer_id`` that
-        this side cannot reserve for yet (no free blocks): its hold is
-        extended by its ``kv_hold_timeout``, up to its ``max_kv_hold_timeout``.
-        Call it at most every few seconds while the request waits. Returns
+        this side cannot reserve for yet (its hold grows by its
+        ``kv_hold_timeout``, up to its ``max_kv_hold_timeout``). Returns
         whether it was sent (the handshake with ``peer`` is done)."""
         check_transfer_id(transfer_id)
         view = self._peers.get(peer)
@@ -322,12 +315,10 @@ class Consumer(Endpoint):
         return True
 
     def decline(self, now: float, transfer_id: str, peer: str) -> bool:
-        """This side will never reserve for ``transfer_id`` (its parameters
-        were refused, or its request failed before it reached us): tell
-        producer ``peer`` to release the ready KV now instead of at the end
-        of its hold. It is an ``Abort`` of epoch 0, which no reservation
-        has; harmless once a reservation was made (the producer ends only an
-        epoch that old). Returns whether it was sent (the handshake with
+        """This side will never reserve for ``transfer_id``: tell producer
+        ``peer`` to release the ready KV now, not at the end of its hold. It
+        is an ``Abort`` of epoch 0, which no reservation has (so harmless once
+        one was made). Returns whether it was sent (the handshake with
         ``peer`` is done and no reservation of ours is live)."""
         check_transfer_id(transfer_id)
         view = self._peers.get(peer)
@@ -338,15 +329,9 @@ class Consumer(Endpoint):
         self._out.append(Send(peer, Abort(transfer_id, 0)))
         return True
 
-    def peer_gone(self, now: float, peer: str) -> int:
-        """The caller knows that producer ``peer``'s process is gone (its pod
-        was deleted, its host fenced): proof that releases its suspect
-        blocks once a fresh quarantine has passed (a write it had queued may
-        still be placed by our transport meanwhile). A lost connection alone
-        is no such proof. Returns the number of suspect reservations."""
-        view = self._peers.get(peer)
-        if view is not None and view.state is not PeerState.DISCONNECTED:
-            self.peer_lost(now, peer)
+    def _gone(self, now: float, peer: str) -> int:
+        """``peer``'s suspect blocks are released once a fresh quarantine
+        passed (our transport may still place a write it had queued)."""
         gone = [r for r in self._res.values() if r.peer == peer and r.state is CState.SUSPECT]
         for rec in gone:
             self._step(now, rec, CInput.PEER_DOWN, remote=True)
@@ -365,42 +350,29 @@ class Consumer(Endpoint):
         self, now: float, peer: str | None, notice: Completion, *, seen: float | None = None
     ) -> None:
         """A data-plane completion notice arrived at consumer rank
-        ``notice.consumer_rank`` (its data is visible), delivered by a rank of
-        producer ``peer``: the peer whose handshake introduced the transport
-        agent that sent it (``None``: an agent no handshake introduced).
+        ``notice.consumer_rank`` (its data is visible), sent by the transport
+        agent that producer ``peer``'s handshake introduced (``None``: none).
 
-        A notice counts only for a reservation registered with that same
-        producer: in xPyD another producer's notice, MAC and all, is counted
-        (``completion_wrong_sender``) and ignored, like a stale one. ``seen``:
-        when the data plane polled the notice (for the timeline's
-        ``notice_seen``; it can be earlier than ``now``)."""
+        It counts only for a reservation registered with that same producer:
+        another producer's notice (xPyD), MAC and all, is counted
+        (``completion_wrong_sender``) and ignored. ``seen``: when the data
+        plane polled it (the timeline's ``notice_seen``)."""
         rec = self._res.get((notice.transfer_id, notice.epoch))
         if rec is not None and rec.peer != peer:
             self._counters["completion_wrong_sender"] += 1
             return
-        pair = self._valid_pair(rec, notice.source, notice.consumer_rank, "completion")
+        pair = self._push_pair(rec, notice.source, notice.consumer_rank, "completion")
         if rec is None or pair is None:
             return
-        if rec.mode is not Mode.PUSH:
-            self._counters["completion_in_pull"] += 1
-            return
-        if pair in rec.settled:
-            self._counters["completion_duplicate"] += 1
-            return
-        rec.settled.add(pair)
         rec.done.add(pair)
         rec.timeline.write_done[pair] = now
         if seen is not None:
             rec.timeline.notice_seen[pair] = seen
-        total = rec.total
         if rec.state is CState.AWAITING:
-            last = len(rec.done) == total
-            inp = CInput.COMPLETION_LAST if last else CInput.COMPLETION
-            self._step(now, rec, inp, remote=True)
+            last, inp = len(rec.done) == rec.total, CInput.COMPLETION_LAST
         else:
-            last = len(rec.settled) == total
-            inp = CInput.PAIRS_SETTLED if last else CInput.COMPLETION
-            self._step(now, rec, inp, remote=True)
+            last, inp = len(rec.settled) == rec.total, CInput.PAIRS_SETTLED
+        self._step(now, rec, inp if last else CInput.COMPLETION, remote=True)
 
     def read_done(
         self,
@@ -414,15 +386,14 @@ class Consumer(Endpoint):
         stamps: OpStamps | None = None,
     ) -> None:
         """Pull: the transport finished (``ok``) or failed one :class:`StartRead`.
-        ``stamps``: when the data plane planned, posted and saw it finish (for
-        the timeline's ``ops``)."""
+        ``stamps``: when the data plane planned, posted and saw it finish."""
         stamps = None if stamps is None else stamps.check()
         rec = self._res.get((transfer_id, epoch))
         pair = self._valid_pair(rec, source, consumer_rank, "read")
         if rec is None or pair is None:
             return
         if rec.reads.pop(pair, None) is not None:
-            self._arm_ops(rec.reads, rec.op_timer, (transfer_id, epoch))
+            self._arm_ops(rec, rec.reads)
         if rec.state not in (CState.READING, CState.READ_DRAIN) or pair in rec.settled:
             self._counters["read_result_late"] += 1
             return
@@ -437,13 +408,12 @@ class Consumer(Endpoint):
             rec.timeline.write_done[pair] = now
             if stamps is not None:
                 rec.timeline.ops[pair] = stamps
-        total = rec.total
-        if len(rec.settled) == total:
-            inp = CInput.READS_OK if len(rec.done) == total else CInput.READS_SETTLED
-            if rec.state is CState.READ_DRAIN:
-                inp = CInput.READS_SETTLED
-        else:
+        if len(rec.settled) < rec.total:
             inp = CInput.READ_OK if ok else CInput.READ_FAILED
+        elif len(rec.done) == rec.total and rec.state is CState.READING:
+            inp = CInput.READS_OK
+        else:
+            inp = CInput.READS_SETTLED
         self._step(now, rec, inp)
 
     # --- remote inputs --------------------------------------------------------------
@@ -539,13 +509,11 @@ class Consumer(Endpoint):
         self._out.append(Send(rec.peer, message))
 
     def _probe(self, now: float, rec: _Reservation, inp: CInput | None = None) -> None:
-        """Ask the producer of a suspect epoch to settle it: it answers a
-        ``Withdraw`` with ``Settled`` once nothing of that epoch is in flight
-        (at once if nothing is), and never takes that epoch again. After the
-        first probe our hello goes first: a producer that lost our handshake
-        while we did not (it ignores what an unknown peer sends, and we answer
-        no hello while ready) learns who we are again, and one that knows us
-        answers it with a hello we count as a duplicate."""
+        """Ask the producer of a suspect epoch to settle it (it answers a
+        ``Withdraw`` with ``Settled`` once nothing of it is in flight). After
+        the first probe our hello goes first: a producer that lost our
+        handshake while we did not (we answer no hello while ready) learns
+        who we are again; one that knows us answers with a duplicate hello."""
         if rec.probes:
             self._out.append(Send(rec.peer, self._hello))
         rec.probes = min(rec.probes + 1, SUSPECT_PROBE_CAP.bit_length() - 1)
@@ -554,16 +522,8 @@ class Consumer(Endpoint):
         rec.retry_at = now + 2**rec.probes * self.config.timing.max_transit
 
     def _write_failed(self, now: float, rec: _Reservation, message: WriteFailed) -> None:
-        pair = self._valid_pair(rec, message.source, message.consumer_rank, "write_failed")
-        if pair is None:
+        if self._push_pair(rec, message.source, message.consumer_rank, "write_failed") is None:
             return
-        if rec.mode is not Mode.PUSH:
-            self._counters["write_failed_in_pull"] += 1
-            return
-        if pair in rec.settled:
-            self._counters["write_failed_duplicate"] += 1
-            return
-        rec.settled.add(pair)
         last = len(rec.settled) == rec.total
         inp = CInput.PAIRS_SETTLED if last else CInput.WRITE_FAILED
         self._step(now, rec, inp, remote=True, detail=message.detail)
@@ -588,7 +548,7 @@ class Consumer(Endpoint):
                     rec.skip_tokens,
                 )
             )
-        self._arm_ops(rec.reads, rec.op_timer, (rec.transfer_id, rec.epoch))
+        self._arm_ops(rec, rec.reads)
 
     def _on_peer_ready(self, now: float, peer: str) -> None:
         view = self._peers[peer]
@@ -604,8 +564,7 @@ class Consumer(Endpoint):
                     self._step(now, rec, CInput.PEER_DOWN, remote=True)
                 else:  # the same process is back: ask it again
                     rec.probes = 0
-                    self._probe(now, rec)
-                    self._arm_for(rec)
+                    self._step(now, rec, CInput.RETRY)
 
     def _on_peer_down(self, now: float, peer: str, reason: FailureReason, detail: str) -> None:
         for rec in list(self._res.values()):
@@ -619,7 +578,7 @@ class Consumer(Endpoint):
                 continue
             self._step(now, rec, CInput.PEER_DOWN, remote=True, detail=detail, reason=reason)
 
-    # --- timers ---------------------------------------------------------------------
+    # --- the engine's hooks ---------------------------------------------------------
 
     def _machine(self, rec: _Reservation) -> Machine[CState, CInput]:
         return CONSUMER_PUSH if rec.mode is Mode.PUSH else CONSUMER_PULL
@@ -642,16 +601,8 @@ class Consumer(Endpoint):
         )
         return CInput.QUARANTINE_LIVE if live else CInput.QUARANTINE
 
-    def _fire_overdue(self, now: float, key: Hashable) -> None:
-        """Reads still in flight ``op_bound`` after their ``StartRead``: ask
-        the adapter to cancel each; its ``read_done`` settles it as any other."""
-        rec = self._res[key]  # type: ignore[index]
-        for source, rank in overdue_pairs(rec.reads, now):
-            self._counters["read_cancel"] += 1
-            self._out.append(Cancel(rec.transfer_id, rec.epoch, rec.peer, source, rank))
-        self._arm_ops(rec.reads, rec.op_timer, key)
-
-    # --- transitions -------------------------------------------------------------
+    def _fire_overdue(self, now: float, rec: _Reservation) -> None:
+        self._cancel_overdue(now, rec, rec.reads, rec.epoch, rec.peer, "read")
 
     def _valid_pair(
         self, rec: _Reservation | None, source: Source, rank: int, what: str
@@ -664,6 +615,19 @@ class Consumer(Endpoint):
             self._counters[f"{what}_unexpected_source"] += 1
             return None
         return (source, rank)
+
+    def _push_pair(
+        self, rec: _Reservation | None, source: Source, rank: int, what: str
+    ) -> Pair | None:
+        """The push pair a notice or failure settles, unless it is stale or settled."""
+        pair = self._valid_pair(rec, source, rank, what)
+        if rec is None or pair is None:
+            return None
+        if rec.mode is not Mode.PUSH or pair in rec.settled:
+            self._counters[f"{what}_{'duplicate' if rec.mode is Mode.PUSH else 'in_pull'}"] += 1
+            return None
+        rec.settled.add(pair)
+        return pair
 
     def _step(
         self,
@@ -683,9 +647,8 @@ class Consumer(Endpoint):
     # --- effects, named by the rows of CONSUMER_PUSH and CONSUMER_PULL -----------
 
     def _fail(self, now: float, rec: _Reservation, inp: CInput) -> None:
-        """The live reservation failed: tell the caller, once. (After the
-        caller's own preempt or abort nothing fails: Settled, settled pairs
-        or reads merely end the drain.)"""
+        """Tell the caller, once (rows after its own preempt or abort name
+        no ``fail``: they merely end the drain)."""
         if rec.failed:
             return
         detail, reason = self._failure
@@ -697,7 +660,6 @@ class Consumer(Endpoint):
         rec.attempt += 1
 
     def _register(self, now: float, rec: _Reservation, inp: CInput) -> None:
-        """AWAITING: send the registration, which fixes the quarantine."""
         view = self._peers[rec.peer]
         assert view.topology is not None and view.hello is not None
         rec.topology = view.topology
@@ -730,12 +692,11 @@ class Consumer(Endpoint):
         self._out.append(Send(rec.peer, Abort(rec.transfer_id, rec.epoch)))
 
     def _send_reads_failed(self, now: float, rec: _Reservation, inp: CInput) -> None:
-        """Pull: our reads are over, not all of them succeeded."""
         self._out.append(Send(rec.peer, ReadDone(rec.transfer_id, rec.epoch, False)))
 
     def _tell_after_reads(self, now: float, rec: _Reservation, inp: CInput) -> None:
-        """Pull: the reads settled after the input that failed or withdrew the
-        reservation (``after_reads``): tell the producer what it must hear."""
+        """Tell the producer what the input that ended the reads
+        (``after_reads``) means for it."""
         after = rec.after_reads
         if after is CInput.PREEMPT:
             self._send_withdraw(now, rec, inp)
@@ -745,20 +706,17 @@ class Consumer(Endpoint):
             self._send_reads_failed(now, rec, inp)
 
     def _drain(self, now: float, rec: _Reservation, inp: CInput) -> None:
-        """DRAINING: no longer the transfer's live reservation."""
-        self._unlive(rec)
+        if self._live.get(rec.transfer_id) is rec:
+            del self._live[rec.transfer_id]
 
     def _read_drain(self, now: float, rec: _Reservation, inp: CInput) -> None:
-        self._unlive(rec)
+        self._drain(now, rec, inp)
         rec.after_reads = inp
 
     def _requarantine(self, now: float, rec: _Reservation, inp: CInput) -> None:
-        """SUSPECT -> DRAINING: the producer is gone; a fresh quarantine from now."""
         rec.quarantine_at = now + self.config.timing.max_transit + rec.op_bound
 
     def _hold_suspect(self, now: float, rec: _Reservation, inp: CInput) -> None:
-        """SUSPECT: a write may still land: hold the blocks until a proof
-        arrives, and ask for it."""
         self._count_suspect(rec, rec.nblocks)
         self._counters["suspect"] += 1
         rec.timeline.suspect = now
@@ -776,27 +734,22 @@ class Consumer(Endpoint):
             del self._suspect[rec.peer]
 
     def _ready(self, now: float, rec: _Reservation, inp: CInput) -> None:
-        """READY. Pull: our reads are done. Push: the acknowledgment ends the
-        producer's hold of the delivered KV."""
+        """Push: the acknowledgment ends the producer's hold of the KV."""
         tid, epoch = rec.transfer_id, rec.epoch
         self._out.append(Send(rec.peer, ReadDone(tid, epoch, True)))
         rec.timeline.ready = now
-        self._end(rec)
+        self._end(now, rec, inp)
         self._out.append(Ready(tid, epoch, rec.blocks, rec.timeline.freeze()))
 
     def _release(self, now: float, rec: _Reservation, inp: CInput) -> None:
         rec.timeline.released = now
-        self._end(rec)
+        self._end(now, rec, inp)
         self._out.append(Released(rec.transfer_id, rec.epoch, rec.blocks, rec.timeline.freeze()))
 
-    def _unlive(self, rec: _Reservation) -> None:
-        if self._live.get(rec.transfer_id) is rec:
-            del self._live[rec.transfer_id]
-
-    def _end(self, rec: _Reservation) -> None:
+    def _end(self, now: float, rec: _Reservation, inp: CInput) -> None:
         rec.timers.clear()
         del self._res[(rec.transfer_id, rec.epoch)]
-        self._unlive(rec)
+        self._drain(now, rec, inp)
         self._reserved_blocks -= rec.nblocks
         if rec.stage:
             self._slots.give(rec.stage)

@@ -3,21 +3,23 @@ the output queue and the counters."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from ._config import Identity, Timing
 from ._errors import IncompatiblePeerError, LocalProtocolError, TopologyError
 from ._machine import Engine
 from ._messages import Announce, ControlMessage, Extend, Heartbeat, Hello, HelloReject, Register
-from ._outputs import Output, PeerFailed, PeerReady, Send
+from ._outputs import Cancel, Output, PeerFailed, PeerReady, Send
 from ._tables import PEER, PeerInput, PeerState, Timer
 from ._topology import Topology, compute_topology
 from ._types import FailureReason, Pair, Role
 
-__all__ = ("Endpoint", "PeerView", "Timer", "check_compatible", "overdue_pairs")
+__all__ = ("Endpoint", "PeerView", "Timer", "check_compatible")
 
 
 #: Hello fields that must be equal on both sides (after the fingerprint).
@@ -113,15 +115,6 @@ class _OpsKey:
     key: Hashable
 
 
-def overdue_pairs(ops: dict[Pair, float], now: float) -> list[Pair]:
-    """The pairs of ``ops`` (pair -> when it is overdue) due at ``now``, in
-    order; they are marked cancelled (``inf``: their cancel is asked for)."""
-    due = sorted(pair for pair, when in ops.items() if when <= now)
-    for pair in due:
-        ops[pair] = math.inf
-    return due
-
-
 class Endpoint(Engine):
     """Base of :class:`Producer` and :class:`Consumer`; not used on its own."""
 
@@ -154,8 +147,7 @@ class Endpoint(Engine):
 
     def peer(self, peer: str) -> PeerView:
         """A copy of what this endpoint knows about ``peer``."""
-        view = self._peers.get(peer, PeerView())
-        return PeerView(view.state, view.hello, view.topology, view.failure, view.attempts)
+        return dataclasses.replace(self._peers.get(peer, PeerView()))
 
     # --- timers: a record's own (the engine's), its ops' and the handshake's ----
 
@@ -167,45 +159,55 @@ class Endpoint(Engine):
             return None if rec is None else rec.op_timer
         return super()._timers_of(key)
 
-    def _due(self, now: float, kind: Hashable, key: Hashable) -> None:
+    def _fire(self, now: float, kind: Hashable, key: Hashable) -> None:
         if type(key) is _PeerKey:
             self._fire_peer(now, kind, key.peer)  # type: ignore[arg-type]
         elif type(key) is _OpsKey:
-            del self._record(key.key).op_timer[Timer.OVERDUE]
-            self._fire_overdue(now, key.key)
+            rec = self._record(key.key)
+            del rec.op_timer[Timer.OVERDUE]
+            self._fire_overdue(now, rec)
         else:
-            self._fire(now, kind, key)
+            super()._fire(now, kind, key)
 
-    def _arm_ops(self, ops: dict[Pair, float], timers: dict[Timer, float], key: Hashable) -> None:
-        """Keep ``OVERDUE`` armed at the earliest op of ``ops`` (pair -> when
-        it is overdue) whose cancel was not asked for yet."""
-        when = min(ops.values(), default=math.inf)
+    def _arm_ops(self, rec: Any, ops: dict[Pair, float]) -> None:
+        """Keep ``rec``'s ``OVERDUE`` armed at the earliest op of ``ops``
+        (pair -> when it is overdue) whose cancel was not asked for yet."""
+        when, timers = min(ops.values(), default=math.inf), rec.op_timer
         if when == math.inf:
             timers.clear()
         elif timers.get(Timer.OVERDUE) != when:
-            self._arm(timers, Timer.OVERDUE, when, _OpsKey(key))
+            self._arm(timers, Timer.OVERDUE, when, _OpsKey(self._key(rec)))
 
-    def _fire_overdue(self, now: float, key: Hashable) -> None:
-        """``OVERDUE`` of record ``key`` fired: cancel its overdue ops."""
+    def _cancel_overdue(
+        self, now: float, rec: Any, ops: dict[Pair, float], epoch: int, peer: str, what: str
+    ) -> None:
+        """Ops of ``rec`` still in flight ``op_bound`` after they were handed
+        over: ask the adapter to cancel each (``inf``: its cancel is out). Its
+        report (a failure once the transport confirms, or a success) settles
+        it as any other."""
+        for pair in sorted(pair for pair, when in ops.items() if when <= now):
+            ops[pair] = math.inf
+            self._counters[f"{what}_cancel"] += 1
+            self._out.append(Cancel(rec.transfer_id, epoch, peer, *pair))
+        self._arm_ops(rec, ops)
+
+    def _fire_overdue(self, now: float, rec: Any) -> None:
         raise NotImplementedError
 
     # --- process stalls -------------------------------------------------------
 
     def stalled(self, now: float, gap: float) -> None:
         """The runtime noticed that this process (or its event loop) did not
-        run for ``gap`` seconds, up to ``now``.
+        run for ``gap`` seconds, up to ``now``. Feed it before the frames read
+        after the gap.
 
         A lease crosses machines as a duration measured from *receipt*, and the
         safety argument needs receipt within ``max_transit`` of sending. A frame
         that reached the kernel during the gap is read late, and a lease
         measured from then would outlive the peer's quarantine. So every
-        lease-bearing message (``Register``, ``Announce``) received until
-        ``now + timing.stall_guard`` is dropped (counted ``dropped_after_stall``).
-        A producer answers a dropped ``Register`` of an epoch it never took
-        with ``Rejected(STALLED)``, so the consumer ends that transfer at once
-        instead of at its deadline; a dropped ``Announce`` is failed by the
-        peer's deadline, as any lost frame. Feed this before the frames read
-        after the gap."""
+        lease-bearing message received until ``now + timing.stall_guard`` is
+        dropped (``dropped_after_stall``); a producer answers a dropped
+        ``Register`` with ``Rejected(STALLED)``."""
         if not (math.isfinite(now) and math.isfinite(gap)) or gap <= 0:
             raise LocalProtocolError(f"stalled() needs a finite gap > 0, got {gap!r}")
         self._counters["stalls"] += 1
@@ -220,10 +222,8 @@ class Endpoint(Engine):
     # --- handshake ----------------------------------------------------------
 
     def _send_hello(self, now: float, peer: str, view: PeerView, *, fresh: bool) -> None:
-        """Queue our hello to ``peer`` and arm its retry (``fresh``: restart the
-        backoff). Retries back off from ``timing.hello_retry`` doubling up to
-        ``timing.hello_retry_max``; after ``timing.hello_retries`` of them the
-        handshake waits for the next reservation or connection."""
+        """Queue our hello to ``peer`` and arm its retry, backing off as
+        :class:`~kvpush.Timing` says (``fresh``: from the first delay)."""
         if fresh:
             view.attempts = 0
         view.attempts += 1
@@ -237,18 +237,12 @@ class Endpoint(Engine):
         delay = min(timing.hello_retry * 2.0 ** (view.attempts - 1), timing.hello_retry_max)
         self._arm(timers, Timer.HELLO_RETRY, now + delay, _PeerKey(peer))
 
-    def _retrying(self, peer: str) -> bool:
-        """Whether ``peer``'s handshake has a retry armed."""
-        return bool(self._peer_timers.get(peer))
-
     def _fire_peer(self, now: float, kind: Timer, peer: str) -> None:
         del self._peer_timers[peer][kind]
         view = self._peers[peer]
         if self._peer_step(peer, view, PeerInput.RETRY) is PeerState.HELLO_SENT:
             self._counters["hello_retry"] += 1
             self._send_hello(now, peer, view, fresh=False)
-
-    # --- handshake ----------------------------------------------------------
 
     def connect(self, now: float, peer: str) -> None:
         """Start (or restart) the handshake with ``peer``: queues our hello and
@@ -258,12 +252,11 @@ class Endpoint(Engine):
             self._send_hello(now, peer, view, fresh=True)
 
     def connection_up(self, now: float, peer: str) -> None:
-        """A control connection to ``peer`` came up (the runtime saw it). If a
-        loss ended our handshake with ``peer``, restart it now rather than at
-        the next reservation: a peer that restarted learns who we are, and we
-        learn its new instance before anything is registered with it. If our
-        hello is still unanswered, send it again on the new connection (the
-        first may have died in the old one's queue), backoff restarted."""
+        """A control connection to ``peer`` came up. If a loss ended our
+        handshake, restart it now rather than at the next reservation, so both
+        sides know each other's instance before anything is registered. If our
+        hello is unanswered, send it again (it may have died in the old
+        connection's queue), backoff restarted."""
         view = self._peers.get(peer)
         if view is None:
             return
@@ -273,16 +266,27 @@ class Endpoint(Engine):
             self._counters["hello_resent_on_connect"] += 1
             self._send_hello(now, peer, view, fresh=True)
 
+    def peer_gone(self, now: float, peer: str) -> int:
+        """The caller knows that ``peer``'s process is gone (its pod deleted,
+        its host fenced; a lost connection alone is no such proof): what was
+        held for it alone ends now. Returns the number of transfers ended."""
+        view = self._peers.get(peer)
+        if view is not None and view.state is not PeerState.DISCONNECTED:
+            self.peer_lost(now, peer)
+        return self._gone(now, peer)
+
     def peer_lost(self, now: float, peer: str) -> None:
         """The control connection to ``peer`` is gone (the runtime decided)."""
         view = self._peers.get(peer)
         if view is None:
             self._counters["peer_lost_unknown"] += 1
-            return
+        else:
+            self._lost(now, peer, view, "connection lost")
+
+    def _lost(self, now: float, peer: str, view: PeerView, detail: str) -> None:
         self._peer_step(peer, view, PeerInput.LOST)
-        view.hello = None
-        view.topology = None
-        self._on_peer_down(now, peer, FailureReason.PEER_LOST, "connection lost")
+        view.hello = view.topology = None
+        self._on_peer_down(now, peer, FailureReason.PEER_LOST, detail)
 
     def receive(self, now: float, peer: str, message: ControlMessage) -> None:
         """Feed a control message that arrived from ``peer``."""
@@ -316,9 +320,7 @@ class Endpoint(Engine):
         if view.hello is not None and view.hello.instance != hello.instance:
             # The peer restarted: nothing of the old instance may be reused.
             self._counters["peer_restarted"] += 1
-            self._peer_step(peer, view, PeerInput.LOST)
-            view.hello = view.topology = None
-            self._on_peer_down(now, peer, FailureReason.PEER_LOST, "peer restarted")
+            self._lost(now, peer, view, "peer restarted")
         elif view.state is PeerState.READY:
             # The consumer starts the handshake and retries it; a retry means
             # our answer was lost, so the producer answers every hello. The
@@ -365,6 +367,9 @@ class Endpoint(Engine):
         raise NotImplementedError
 
     def _on_message(self, now: float, peer: str, message: ControlMessage) -> None:
+        raise NotImplementedError
+
+    def _gone(self, now: float, peer: str) -> int:
         raise NotImplementedError
 
     def _on_unready_message(self, now: float, peer: str, message: ControlMessage) -> None:

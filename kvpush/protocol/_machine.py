@@ -10,13 +10,11 @@ the timers each state keeps armed, and the input each timer feeds.
    is local (an API call or a timer), the state unchanged either way;
 2. it moves the record to ``row.next`` and runs ``row.effects`` in order: an
    effect ``name`` is the endpoint's method ``_name(now, rec, inp)``;
-3. it arms the timers of the state the record is now in, each at the time
-   its function reads from the record (``inf``: not armed), and cancels the
-   others. A timer already armed at that time keeps its heap entry.
+3. it arms the timers of the new state, each at the time its function reads
+   from the record (``inf``: not armed), and cancels the others.
 
 Every record's timers share one heap, lazily invalidated: an entry counts
-while its record still has that kind armed at that time. A due timer feeds
-the input its machine names for it (:meth:`Engine._timer_input`).
+while its record still has that kind armed at that time.
 """
 
 from __future__ import annotations
@@ -89,33 +87,28 @@ class Machine(Mapping[tuple[S, In], S]):
 
 
 class Engine:
-    """Applies inputs to records through their :class:`Machine`; keeps the
-    timer heap. A record has ``state`` and ``timers`` (kind -> time armed)."""
+    """A record has ``state`` and ``timers`` (kind -> time armed)."""
 
     def __init__(self) -> None:
         self._counters: Counter[str] = Counter()
         self._heap: list[_Entry] = []
         self._seq = 0
 
-    # --- what an endpoint supplies ------------------------------------------------
+    # An endpoint supplies the machine a record moves through, the key that
+    # names it in the heap, and the record a key names (``None``: it is gone).
 
     def _machine(self, rec: Any) -> Machine[Any, Any]:
-        """The machine ``rec`` moves through."""
         raise NotImplementedError
 
     def _key(self, rec: Any) -> Hashable:
-        """The key that names ``rec`` in the heap (:meth:`_record` finds it)."""
         raise NotImplementedError
 
     def _record(self, key: Hashable) -> Any:
-        """The record named ``key``, or ``None`` once it is gone."""
         raise NotImplementedError
 
     def _timer_input(self, now: float, kind: Any, rec: Any) -> Any:
         """The input a due timer of ``rec`` feeds (an endpoint adds guards)."""
         return self._machine(rec).fires[kind]
-
-    # --- steps ------------------------------------------------------------------
 
     def _step(self, now: float, rec: Any, inp: Any, *, remote: bool = False) -> bool:
         """Apply ``inp`` to ``rec``; returns whether the table allowed it."""
@@ -133,8 +126,6 @@ class Engine:
         if machine.timers:
             self._arm_for(rec)
         return True
-
-    # --- timers -------------------------------------------------------------------
 
     def _arm_for(self, rec: Any) -> None:
         """Arm the timers of ``rec``'s state at their times; cancel the others."""
@@ -159,14 +150,11 @@ class Engine:
         return None if rec is None else rec.timers
 
     def _fire(self, now: float, kind: Hashable, key: Hashable) -> None:
-        """A record's timer is due: feed the input it names."""
+        """A valid heap entry is due: feed its record the input it names (an
+        endpoint routes keys of its own first)."""
         rec = self._record(key)
         del rec.timers[kind]
         self._step(now, rec, self._timer_input(now, kind, rec))
-
-    def _due(self, now: float, kind: Hashable, key: Hashable) -> None:
-        """A valid heap entry is due (an endpoint routes keys of its own)."""
-        self._fire(now, kind, key)
 
     def next_deadline(self) -> float | None:
         """The earliest time at which :meth:`handle_timer` has work, or ``None``."""
@@ -184,7 +172,7 @@ class Engine:
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             if self._valid(entry):
-                self._due(now, entry[2], entry[3])
+                self._fire(now, entry[2], entry[3])
 
     def _valid(self, entry: _Entry) -> bool:
         when, _, kind, key = entry

@@ -1,9 +1,7 @@
 """The prefill-side endpoint: the two-event rendezvous, epochs, held source KV.
 
-One :class:`Producer` serves one prefill instance (all its TP x PP ranks). Each
-transfer is one record (``_transfer.Transfer``) moving through ``PRODUCER`` in
-``_tables.py``; this module computes which input applies and defines the
-effects its rows name.
+One :class:`Producer` serves one prefill instance (all its TP x PP ranks); each
+transfer is one record (``_transfer.Transfer``) moving through ``PRODUCER``.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import math
 from collections.abc import Hashable, Sequence
 
 from ._config import ProducerConfig
-from ._endpoint import Endpoint, Timer, overdue_pairs
+from ._endpoint import Endpoint, Timer
 from ._errors import LocalProtocolError
 from ._layout import KVLayout
 from ._machine import Machine
@@ -31,14 +29,15 @@ from ._messages import (
     Withdraw,
     WriteFailed,
 )
-from ._outputs import Cancel, ReleaseOutcome, Send, SourceReleased, StartWrite
-from ._tables import PRODUCER, PeerState, PInput, PState
+from ._outputs import ReleaseOutcome, Send, SourceReleased, StartWrite
+from ._tables import PRODUCER, PInput, PState
 from ._timeline import OpStamps, Timeline, TimelineBuilder
-from ._transfer import Pair, Reg, Transfer, Writes, seen
+from ._transfer import Reg, Transfer, Writes, seen
 from ._types import (
     BlockIds,
     FailureReason,
     Mode,
+    Pair,
     RejectReason,
     Role,
     Source,
@@ -124,14 +123,11 @@ class Producer(Endpoint):
         """The KV of ``transfer_id`` is computed in ``blocks`` (ids per KV group);
         hold them until a registration takes them or the hold expires.
 
-        ``final=False``: an *increment* (progressive push). ``blocks`` are the
-        whole blocks computed so far, the prefill computes more; each call
-        repeats the blocks of the one before and may add more. A push epoch
-        writes each increment as it comes; its completion notices go with the
-        last (``final=True``), so the consumer is told Ready only then. A pull
-        epoch is lent only the whole source. Until the last increment no hold
-        timer runs and no ``SourceReleased`` is emitted (the computing
-        request owns its blocks); :meth:`abort` ends the source where it is."""
+        ``final=False``: an *increment* (progressive push): the whole blocks so
+        far, extending those of the call before. A push epoch writes each as it
+        comes, with the completion notices on the last; a pull epoch is lent
+        only the whole source. Until the last no hold timer runs and no
+        ``SourceReleased`` comes (the request owns its blocks)."""
         ids = check_blocks(blocks, self.identity.kv_groups)
         rec = self._get(now, transfer_id)
         if not self._grow_source(rec, ids, final):
@@ -197,8 +193,7 @@ class Producer(Endpoint):
         stamps: OpStamps | None = None,
     ) -> None:
         """The transport finished one :class:`StartWrite` (its notice was sent).
-        ``stamps``: when the data plane planned, posted and saw it finish (for
-        the timeline's ``ops``)."""
+        ``stamps``: when the data plane planned, posted and saw it finish."""
         stamps = None if stamps is None else stamps.check()
         self._write_result(now, transfer_id, epoch, (source, consumer_rank), "", stamps)
 
@@ -231,8 +226,7 @@ class Producer(Endpoint):
                 # may still land in.
                 self._counters["register_copy_from_unready_peer"] += 1
                 return
-            reject = Rejected(tid, message.epoch, RejectReason.UNKNOWN_PEER, message.attempt)
-            self._out.append(Send(peer, reject))
+            self._refuse(peer, message, RejectReason.UNKNOWN_PEER)
             # The consumer releases those blocks on this answer, so no copy of
             # this registration (duplicated, or delayed past a redone
             # handshake) may be served: remember its epoch, as for an unknown
@@ -285,7 +279,6 @@ class Producer(Endpoint):
         self._step(now, rec, PInput.READ_DONE, remote=True)
 
     def _on_keep(self, now: float, rec: Transfer | None) -> None:
-        """A decode that cannot reserve yet asks to keep the ready KV."""
         if rec is None or rec.state is not PState.HOLDING:
             self._counters["keep_ignored"] += 1
             return
@@ -300,7 +293,6 @@ class Producer(Endpoint):
         self._step(now, rec, PInput.KEEP, remote=True)
 
     def _on_extend(self, now: float, rec: Transfer | None, message: Extend) -> None:
-        """The consumer moved its deadline: the registration's lease grows."""
         waits = rec is not None and (
             rec.state in _LEASED or (rec.partial and rec.state is PState.WRITING)
         )
@@ -342,7 +334,6 @@ class Producer(Endpoint):
         if rec.state is not PState.DRAINING or rec.ending is None:
             rec.ending = ReleaseOutcome.ABORTED
         rec.owe.add(epoch)
-        released = rec.state is PState.RELEASED
         # Pull: an Abort of a newer epoch than the lent one (the consumer
         # preempted while reading, reserved again, then gave up) ends the
         # transfer, but the lent epoch's reads may still run: the KV stays
@@ -353,8 +344,6 @@ class Producer(Endpoint):
         if newer and rec.pending is not None and rec.pending.epoch == epoch:
             rec.pending = None  # the consumer ended it: no Rejected owed
         self._step(now, rec, PInput.PEER_ABORT_NEWER if newer else PInput.PEER_ABORT, remote=True)
-        if released:  # a tombstone has nothing in flight: acknowledge at once
-            self._send_owed(rec)
 
     def _on_withdraw(self, now: float, peer: str, rec: Transfer, epoch: int) -> None:
         reg, pending = rec.reg, rec.pending
@@ -404,7 +393,6 @@ class Producer(Endpoint):
             self._accept(now, rec, peer, msg)
 
     def _known(self, rec: Transfer, epoch: int) -> bool:
-        """Whether ``epoch`` is the live or waiting epoch, or was delivered."""
         reg, pending = rec.reg, rec.pending
         return (
             (reg is not None and reg.epoch == epoch)
@@ -413,7 +401,6 @@ class Producer(Endpoint):
         )
 
     def _refusal(self, rec: Transfer, msg: Register) -> RejectReason | None:
-        """Why a new registration is refused (counted), if it is."""
         if msg.mode not in self.identity.modes:
             self._counters["register_invalid"] += 1
             return RejectReason.INVALID
@@ -446,8 +433,7 @@ class Producer(Endpoint):
             self._refuse(peer, message, RejectReason.STALLED)
 
     def _refuse(self, peer: str, msg: Register, reason: RejectReason) -> None:
-        reject = Rejected(msg.transfer_id, msg.epoch, reason, msg.attempt)
-        self._out.append(Send(peer, reject))
+        self._out.append(Send(peer, Rejected(msg.transfer_id, msg.epoch, reason, msg.attempt)))
 
     def _accept(self, now: float, rec: Transfer, peer: str, msg: Register) -> None:
         rec.peer = peer
@@ -469,25 +455,22 @@ class Producer(Endpoint):
             rec.pending = reg
             if rec.state is PState.WRITING:  # the consumer moved on from the live epoch
                 rec.writes = Writes.WITHDRAWN
-        elif rec.state in (PState.HOLDING, PState.DELIVERED, PState.STREAMING):
-            if rec.state is PState.STREAMING:  # nothing of the older epoch is in flight
-                assert rec.reg is not None
-                rec.owe.add(rec.reg.epoch)
-                self._send_owed(rec)
-            rec.reg = reg
-            rec.renew_at = self._renew_time(now, reg.lease_until)
+            self._step(now, rec, PInput.REGISTER, remote=True)
+            return
+        if rec.state is PState.STREAMING:  # nothing of the older epoch is in flight
+            self._owe_live(now, rec, PInput.REGISTER)
+            self._send_owed(rec)
+        elif rec.reg is not None:  # WAIT_KV / WAIT_REST with an older epoch
+            self._reject(rec, rec.reg, RejectReason.SUPERSEDED)
+        rec.reg = reg
+        rec.renew_at = self._renew_time(now, reg.lease_until)
+        if rec.state in (PState.HOLDING, PState.DELIVERED, PState.STREAMING):
             rec.ending = None  # a newer epoch: how it ends is its own
             self._rendezvous(now, rec)
-            return
-        else:  # IDLE, or WAIT_KV / WAIT_REST with an older epoch
-            if rec.reg is not None:
-                self._reject(rec, rec.reg, RejectReason.SUPERSEDED)
-            rec.reg = reg
-            rec.renew_at = self._renew_time(now, reg.lease_until)
-            if rec.state is PState.WAIT_REST and reg.mode is Mode.PUSH:
-                self._rendezvous(now, rec)  # the partial source is written at once
-                return
-        self._step(now, rec, PInput.REGISTER, remote=True)
+        elif rec.state is PState.WAIT_REST and reg.mode is Mode.PUSH:
+            self._rendezvous(now, rec)  # the partial source is written at once
+        else:
+            self._step(now, rec, PInput.REGISTER, remote=True)
 
     def _on_peer_ready(self, now: float, peer: str) -> None:
         hello = self._peers[peer].hello
@@ -497,19 +480,11 @@ class Producer(Endpoint):
         if old is not None and old != hello.instance:
             # Another instance of the consumer: the old process, which alone
             # could re-register for what it was delivered, is gone.
-            self._release_delivered(now, peer)
+            self._gone(now, peer)
 
-    def peer_gone(self, now: float, peer: str) -> int:
-        """The caller knows that consumer ``peer``'s process is gone (its pod
-        was deleted): the KV it was delivered, held for a re-registration
-        that can no longer come, is released now instead of at the end of
-        its hold. Returns the number of transfers released."""
-        view = self._peers.get(peer)
-        if view is not None and view.state is not PeerState.DISCONNECTED:
-            self.peer_lost(now, peer)
-        return self._release_delivered(now, peer)
-
-    def _release_delivered(self, now: float, peer: str) -> int:
+    def _gone(self, now: float, peer: str) -> int:
+        """The KV delivered to ``peer``, held for a re-registration that can
+        no longer come, is released now instead of at the end of its hold."""
         gone = [r for r in self._tx.values() if r.peer == peer and r.state is PState.DELIVERED]
         for rec in gone:
             self._counters["delivered_released_peer_gone"] += 1
@@ -540,20 +515,11 @@ class Producer(Endpoint):
             return PInput.RENEW  # still computing, the lease half gone
         return PRODUCER.fires[kind]
 
-    def _fire_overdue(self, now: float, key: Hashable) -> None:
-        """Writes still in flight ``op_bound`` after their ``StartWrite``:
-        ask the adapter to cancel each. Its report (``write_failed`` once
-        the transport confirms, or ``write_done``) settles it as any other."""
-        rec = self._tx[key]  # type: ignore[index]
-        reg = rec.reg
-        assert reg is not None
-        for source, rank in overdue_pairs(rec.inflight, now):
-            self._counters["write_cancel"] += 1
-            self._out.append(Cancel(rec.transfer_id, reg.epoch, reg.peer, source, rank))
-        self._arm_ops(rec.inflight, rec.op_timer, rec.transfer_id)
+    def _fire_overdue(self, now: float, rec: Transfer) -> None:
+        assert rec.reg is not None
+        self._cancel_overdue(now, rec, rec.inflight, rec.reg.epoch, rec.reg.peer, "write")
 
     def _renew(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """Ask the consumer for more lease (RENEW: the KV is not ready yet)."""
         reg = rec.reg
         assert reg is not None
         self._counters["renew_sent"] += 1
@@ -562,7 +528,7 @@ class Producer(Endpoint):
         rec.renew_at = self._renew_time(now, reg.lease_until)
 
     def _lease_late(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """WRITING's renewal timer fired late, past the lease."""
+        """The renewal timer fired late, past the lease."""
         rec.renew_at = math.inf
         self._lease_over(now, rec)
 
@@ -584,8 +550,6 @@ class Producer(Endpoint):
         half = (until - now) / 2
         return now + half if half > 2 * self.config.timing.max_transit else math.inf
 
-    # --- transitions -------------------------------------------------------------
-
     def _get(self, now: float, transfer_id: str) -> Transfer:
         rec = self._tx.get(transfer_id)
         if rec is None:
@@ -599,8 +563,7 @@ class Producer(Endpoint):
         return bool(rec.inflight) and rec.reg is not None and rec.reg.epoch == epoch
 
     def _reject(self, rec: Transfer, reg: Reg, reason: RejectReason) -> None:
-        reject = Rejected(rec.transfer_id, reg.epoch, reason, reg.attempt)
-        self._out.append(Send(reg.peer, reject))
+        self._out.append(Send(reg.peer, Rejected(rec.transfer_id, reg.epoch, reason, reg.attempt)))
 
     def _rendezvous(self, now: float, rec: Transfer) -> None:
         assert rec.reg is not None
@@ -625,7 +588,7 @@ class Producer(Endpoint):
             self._counters["write_result_unknown"] += 1
             return
         del rec.inflight[pair]
-        self._arm_ops(rec.inflight, rec.op_timer, rec.transfer_id)
+        self._arm_ops(rec, rec.inflight)
         if detail:
             self._failed_write(rec, epoch, pair, detail)
         else:
@@ -660,7 +623,6 @@ class Producer(Endpoint):
             self._out.append(Send(rec.reg.peer, failed))
 
     def _settled(self, now: float, rec: Transfer) -> PInput:
-        """The input that the last in-flight write's settling feeds."""
         if rec.state is PState.DRAINING or rec.writes is not Writes.WITHDRAWN:
             if rec.writes is Writes.FAILING:
                 return PInput.SETTLED_FAILED
@@ -682,15 +644,11 @@ class Producer(Endpoint):
     # --- effects, named by the rows of PRODUCER -------------------------------------
 
     def _next_epoch(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """The live epoch's writes settled: a newer push epoch waited, and is live."""
-        assert rec.reg is not None
-        self._settle_owed(rec, rec.reg.epoch)
         rec.reg, rec.pending = rec.pending, None
         assert rec.reg is not None
         rec.renew_at = self._renew_time(now, rec.reg.lease_until)
 
     def _new_epoch(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """A new epoch's writes start from the source's first block."""
         assert rec.reg is not None
         self._epoch_over(rec)
         rec.timeline.epoch = rec.reg.epoch
@@ -732,15 +690,13 @@ class Producer(Endpoint):
                     reg.stage,
                 )
             )
-        self._arm_ops(rec.inflight, rec.op_timer, tid)
+        self._arm_ops(rec, rec.inflight)
 
     def _epoch_over(self, rec: Transfer) -> None:
-        """The live epoch's writes are over: forget their progress."""
         rec.sent.clear()
         rec.committed.clear()
 
     def _delivered(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """DELIVERED: every write landed; keep the KV until acknowledged."""
         assert rec.reg is not None
         self._epoch_over(rec)
         rec.delivered_epoch = rec.reg.epoch
@@ -750,7 +706,6 @@ class Producer(Endpoint):
         rec.hold_until = now + self.config.kv_hold_timeout
 
     def _lend(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """LENT: announce the KV for the rest of the lease."""
         reg, src = rec.reg, rec.src
         assert reg is not None and src is not None
         hello = self._peers[reg.peer].hello
@@ -760,34 +715,26 @@ class Producer(Endpoint):
         lease = reg.lease_until - now
         self._out.append(Send(reg.peer, Announce(rec.transfer_id, reg.epoch, src, lease)))
 
-    def _settle_live(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """The live epoch's writes settled after it was withdrawn."""
-        assert rec.reg is not None
-        self._settle_owed(rec, rec.reg.epoch)
-
     def _tell_owed(self, now: float, rec: Transfer, inp: PInput) -> None:
         self._send_owed(rec)
 
     def _owe_live(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """The live epoch is owed a ``Settled`` (its writes failed, or the
+        """The live epoch is owed a ``Settled`` (its writes settled, or the
         consumer aborted it)."""
         if rec.reg is not None:
             rec.owe.add(rec.reg.epoch)
 
     def _reject_lease(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """The live registration's lease ran out: no increment may start."""
         assert rec.reg is not None
         self._reject(rec, rec.reg, RejectReason.LEASE_EXPIRED)
 
     def _settle_waiting(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """The waiting registration was withdrawn: nothing of it ran."""
-        reg = rec.reg
-        assert reg is not None
-        self._out.append(Send(reg.peer, Settled(rec.transfer_id, reg.epoch)))
+        assert rec.reg is not None
+        self._out.append(Send(rec.reg.peer, Settled(rec.transfer_id, rec.reg.epoch)))
 
     def _hold(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """HOLDING: the live epoch (if any) is over; a waiting one starts now.
-        A partial source is held without a timer (its prefill still runs)."""
+        """The live epoch (if any) is over; a waiting one starts now. A partial
+        source is held without a timer (its prefill still runs)."""
         self._epoch_over(rec)
         rec.reg = None
         rec.hold_until = math.inf if rec.partial else now + self.config.kv_hold_timeout
@@ -803,12 +750,10 @@ class Producer(Endpoint):
             self._rendezvous(now, rec)
 
     def _unwait(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """IDLE (from WAIT_KV): the waiting registration is over."""
         rec.reg = None
         rec.expires_at = now + self.config.tombstone_ttl
 
     def _release(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """RELEASED: settle what is owed and give the source blocks back."""
         outcome = rec.ending or _OUTCOMES.get(inp, ReleaseOutcome.ABORTED)
         reg = rec.reg
         self._send_owed(rec)
@@ -831,7 +776,6 @@ class Producer(Endpoint):
             )
 
     def _forget(self, now: float, rec: Transfer, inp: PInput) -> None:
-        """GONE: nothing held, no duplicate can still arrive."""
         del self._tx[rec.transfer_id]
 
     def _abort(self, now: float, rec: Transfer, inp: PInput) -> None:
@@ -848,24 +792,16 @@ class Producer(Endpoint):
         (DRAINING, RELEASED), or it has its Ready (DELIVERED), and an Abort
         would fail KV it may not have polled yet."""
         rec.ending = rec.ending or ReleaseOutcome.ABORTED
-        self._drop_pending(rec)
+        self._drop_pending(now, rec, inp)
 
-    def _peer_abort(self, now: float, rec: Transfer, inp: PInput) -> None:
-        self._owe_live(now, rec, inp)
-        self._drop_pending(rec)
-
-    def _drop_pending(self, rec: Transfer) -> None:
+    def _drop_pending(self, now: float, rec: Transfer, inp: PInput) -> None:
         if rec.pending is not None:
             self._reject(rec, rec.pending, RejectReason.RELEASED)
             rec.pending = None
 
-    def _settle_owed(self, rec: Transfer, epoch: int) -> None:
-        """No write of ``epoch`` (nor of any owed epoch) can land any more:
-        tell the consumer, who may be draining those blocks."""
-        rec.owe.add(epoch)
-        self._send_owed(rec)
-
     def _send_owed(self, rec: Transfer) -> None:
+        """No write of an owed epoch can land any more: tell the consumer,
+        who may be draining those blocks."""
         if not rec.owe:
             return
         if rec.peer is not None and rec.ending is not ReleaseOutcome.PEER_LOST:

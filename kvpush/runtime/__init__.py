@@ -1,22 +1,16 @@
-"""The anyio runtime that pumps the sans-IO core (docs/runtime.md).
-
-One pump per endpoint (:class:`ProducerRuntime` / :class:`ConsumerRuntime`),
-the TCP :class:`ControlChannel`, the :class:`DataPlane` thread with its
-planner (:class:`TransferPlanner`), the :class:`Transport` interface and the
-registry of its implementations (:func:`transport_kind`: ``shm`` in
-:mod:`kvpush.shm`, ``nixl`` in ``kvpush_nixl``, a layer above this one), a
-synchronous facade (:class:`SyncRuntime`) and Prometheus metrics
-(:class:`EndpointMetrics`). It imports the core and nothing above it
-(docs/architecture.md)."""
+"""The anyio runtime that pumps the sans-IO core: the pumps, the control
+channel, the data plane and its planner, the transport interface and registry,
+a synchronous facade and metrics (docs/runtime.md, "Pieces"). It imports the
+core and nothing above it (docs/architecture.md)."""
 
 from __future__ import annotations
 
-from ._channel import (
+from ._channel import ControlChannel
+from ._channel_types import (
     Backoff,
     ChannelBusy,
     ChannelClosed,
     ChannelSettings,
-    ControlChannel,
     Garbage,
     PeerConnected,
     PeerLost,
@@ -24,7 +18,6 @@ from ._channel import (
     Received,
 )
 from ._dataplane import DataPlane, Fence, NoticeIn, OpResult, PeerRanks, Rank, Result
-from ._facade import SyncRuntime
 from ._metrics import EndpointMetrics
 from ._plan import TransferPlan, TransferPlanner, plan_transfer
 from ._registry import TRANSPORTS_GROUP, TransportKind, transport_kind, transport_kinds
@@ -33,6 +26,7 @@ from ._runtime import (
     DataPlaneLike,
     EndpointRuntime,
     ProducerRuntime,
+    SyncRuntime,
     decode_rank,
     encode_rank,
 )

@@ -41,7 +41,6 @@ from ._channel_types import (
     Garbage,
     PeerConnected,
     PeerLost,
-    PeerStatistics,
     PeerUnreachable,
     Received,
     check_name,
@@ -59,21 +58,8 @@ from ._framing import (
 )
 from ._link import Effect, Input, Link, State
 
-__all__ = (
-    "Backoff",
-    "ChannelBusy",
-    "ChannelClosed",
-    "ChannelEvent",
-    "ChannelSettings",
-    "ChannelStatistics",
-    "ControlChannel",
-    "Garbage",
-    "PeerConnected",
-    "PeerLost",
-    "PeerStatistics",
-    "PeerUnreachable",
-    "Received",
-)
+#: The values are _channel_types' (the tests import Backoff from here too).
+__all__ = ("Backoff", "ControlChannel")
 
 
 log = logging.getLogger("kvpush.runtime.channel")
@@ -215,8 +201,7 @@ class ControlChannel:
                     await self._stopped.wait()
 
     def events(self) -> MemoryObjectReceiveStream[ChannelEvent]:
-        """The stream of events (bounded: ``max_events``). While it is full, readers
-        stop reading their sockets (TCP backpressure). It ends after close."""
+        """The stream of events (bounded: ``max_events``); it ends after close."""
         if self._events_recv is None:
             raise ChannelClosed("the channel has not been entered")
         return self._events_recv
@@ -233,10 +218,8 @@ class ControlChannel:
         actual: int = listener.extra(SocketAttribute.local_port)
         self._ports.append(actual)
         for sub in listener.listeners:
-            if isinstance(sub, anyio.abc.SocketListener):
+            if isinstance(sub, anyio.abc.SocketListener):  # (all TCP listeners are)
                 self._spawn(self._accept_loop, sub)
-            else:  # pragma: no cover - TCP listeners are socket listeners
-                self._spawn(sub.serve, self._accept, self._tg)
         log.info("%s: listening on %s:%d", self.name, host, actual)
         return actual
 
@@ -446,18 +429,16 @@ class ControlChannel:
                 await write_frame(stream, seal(pre.encode(), self._codec))
                 frame = await read_frame(receiver, max_frame_bytes=MAX_HANDSHAKE_BYTES)
                 ack = Ack.decode(unseal(frame, self._codec))
-        except (*NET_ERRORS, RemoteProtocolError) as exc:
-            p.connect_failures += 1
-            log.debug("%s: dial %s at %s:%d failed: %r", self.name, p.name, *route, exc)
-            if stream is not None:
-                await self._close_now(stream)
-            self._apply(p, link.step(anyio.current_time(), Input.DIAL_FAILED))
-            return
-        except BaseException:
+        except BaseException as exc:
             if stream is not None:
                 with anyio.CancelScope(shield=True):
                     await self._close_now(stream)
-            raise
+            if not isinstance(exc, (*NET_ERRORS, RemoteProtocolError)):
+                raise
+            p.connect_failures += 1
+            log.debug("%s: dial %s at %s:%d failed: %r", self.name, p.name, *route, exc)
+            self._apply(p, link.step(anyio.current_time(), Input.DIAL_FAILED))
+            return
         ok = ack.name == p.name and ack.conn_id == conn_id
         if not ok:
             p.connect_failures += 1
@@ -468,7 +449,7 @@ class ControlChannel:
         if not self._open:
             await self._close_now(stream)
             return
-        conn = Conn(stream, receiver, conn_id, ack.instance)
+        conn = Conn(stream, receiver, conn_id)
         inp = Input.ACK_OK if ok else Input.ACK_BAD
         now = anyio.current_time()
         events = self._apply(p, link.step(now, inp, instance=ack.instance, conn_id=conn_id), conn)
@@ -501,7 +482,7 @@ class ControlChannel:
             return
         hello, receiver = got
         p = self._peers.get(hello.name) or self._add(hello.name)
-        conn = Conn(stream, receiver, hello.conn_id, hello.instance)
+        conn = Conn(stream, receiver, hello.conn_id)
         conn.lock.acquire_nowait()  # the ack goes first
         now = anyio.current_time()
         effects = p.link.inbound(now, hello.instance, hello.conn_id, hello.supersedes)

@@ -1,7 +1,8 @@
 """The control channel's records: each peer's (:class:`Peer`: its
 :class:`~._link.Link`, queue, connection and counters) and the connections
 that have not sent their preamble yet (:class:`Admission`, bounded per source
-address and in all: :mod:`._channel`, "Admission"). The channel owns them all.
+address and in all: docs/runtime.md, "Connections before their preamble").
+The channel owns them all.
 """
 
 from __future__ import annotations
@@ -75,9 +76,6 @@ class Outbox:
     discarded: int = 0
     space: Signal = field(default_factory=Signal)
 
-    def __len__(self) -> int:
-        return len(self.items)
-
     def _fits(self, n: int) -> bool:
         if not self.items:
             return True
@@ -146,7 +144,6 @@ class Conn:
     stream: anyio.abc.SocketStream
     receiver: BufferedByteReceiveStream
     conn_id: int
-    instance: int
     #: Held by whoever writes (the ack, then the writer's batches).
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     #: Cancels the reader when the connection is dropped (or refused): closed.
@@ -184,7 +181,7 @@ class Peer:
             connected=self.conn is not None,
             up=self.link.up,
             route=self.link.route,
-            queued=len(box),
+            queued=len(box.items),
             queued_bytes=box.nbytes,
             sent=self.sent,
             received=self.received,

@@ -109,9 +109,8 @@ class Received:
 
 @dataclass(frozen=True, slots=True)
 class PeerConnected:
-    """A connection to ``peer`` is up, and the peer was not (first contact, after
-    a :class:`PeerLost`, or a restarted peer). Not sent for a reconnect to the
-    same instance within ``peer_lost_after``."""
+    """``peer`` is up and was not: first contact, after a :class:`PeerLost`, or
+    a restart (not a reconnect within ``peer_lost_after``)."""
 
     peer: str
 

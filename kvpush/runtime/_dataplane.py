@@ -48,6 +48,8 @@ __all__ = ("DataPlane", "Fence", "NoticeIn", "OpResult", "PeerRanks", "Rank")
 
 log = logging.getLogger("kvpush.dataplane")
 
+_STOP = "stop"
+
 #: The naps while an op is posted, and for ``busy_for`` after any command or
 #: result (:meth:`DataPlane._nap`).
 INFLIGHT_POLL_INTERVAL = 0.00002
@@ -144,7 +146,9 @@ class DataPlane:
         self.polls = 0
         #: The thread's OS id (``threading.get_native_id``), once it runs.
         self.native_id: int | None = None
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        #: Commands: an action and its fence, a Cancel, a PeerRanks, a bool
+        #: (:meth:`expect`) or ``_STOP``.
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         #: Actions waiting for their fence, in submission order.
         self._fenced: deque[tuple[StartWrite | StartRead, Fence]] = deque()
         self._peers: dict[str, PeerRanks] = {}
@@ -193,19 +197,17 @@ class DataPlane:
 
     def submit(self, action: StartWrite | StartRead, after: Fence | None = None) -> None:
         """Queue an action, to be posted once ``after`` is done; O(1), never blocks."""
-        self._inbox.put(("op", (action, after)))
+        self._inbox.put((action, after))
 
     def cancel(self, cancel: Cancel) -> None:
-        """Queue the core's ``Cancel`` of an op it handed over ``op_bound``
-        ago; O(1). The op is then reported failed only once nothing of it
-        can move: dropped before it was posted, or cancelled by its
-        transport (``cancel(handle)`` returned True). A transport that
-        cannot confirm leaves it posted (logged): a guess would break I1."""
-        self._inbox.put(("cancel", cancel))
+        """Queue the core's ``Cancel`` of an op past ``op_bound``; O(1). It is
+        reported failed only once nothing of it can move: a transport that
+        cannot confirm leaves it posted (a guess would break I1)."""
+        self._inbox.put(cancel)
 
     def add_peer(self, peer: PeerRanks) -> None:
         """Queue a peer's rank metadata (a new instance replaces the old)."""
-        self._inbox.put(("peer", peer))
+        self._inbox.put(peer)
 
     def expect(self, expecting: bool) -> None:
         """Whether a peer may be moving bytes to or from our ranks now (a
@@ -214,25 +216,23 @@ class DataPlane:
         that does not poll stalls the peer); repeats cost nothing."""
         if expecting != self._expect_sent:
             self._expect_sent = expecting
-            self._inbox.put(("expect", expecting))
+            self._inbox.put(expecting)
 
     def stage_need(self, blocks: list[list[int]]) -> int:
-        """Consumer: the staging slot a push reservation of ``blocks`` should
-        ask its core for (``Consumer.reserve(stage_bytes=...)``); 0: none."""
+        """Consumer: the ``stage_bytes`` a push reservation of ``blocks`` asks for."""
         return self.stager.need(blocks)
 
     def stage(
         self, transfer_id: str, epoch: int, blocks: list[list[int]], slot: tuple[int, ...]
     ) -> None:
-        """Consumer: a reservation that owns staging ``slot`` (``Reserved.stage``)
-        and ``blocks``; its staged notices are scattered into them. Call
+        """Consumer: record a reservation's ``blocks`` and staging ``slot``
         before its registration can reach the producer; any thread."""
         self.stager.stage((transfer_id, epoch), blocks, slot)
 
     def unstage(self, transfer_id: str, epoch: int) -> None:
-        """Consumer: the reservation ended (its ``Ready`` or ``Released``, to be
-        called before either reaches the owner of the blocks); returns once no
-        scatter into its blocks runs or ever will. Any thread."""
+        """Consumer: drop the record before the reservation's ``Ready`` or
+        ``Released`` reaches anyone; returns once no scatter into its blocks
+        runs or ever will. Any thread."""
         self.stager.unstage((transfer_id, epoch))
 
     def metadata(self) -> dict[int, bytes]:
@@ -242,31 +242,28 @@ class DataPlane:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread; posted transfers are reported failed."""
         self._stop.set()
-        self._inbox.put(("stop", None))  # wakes a thread that sleeps on the inbox
+        self._inbox.put(_STOP)  # wakes a thread that sleeps on the inbox
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise KvpushError("data-plane thread did not stop in time")
-        leftover: list[Result] = [
-            OpResult(a[0], "data plane stopped") for a in self._posted.values()
-        ]
-        leftover += [OpResult(a, "data plane stopped") for a, _ in self._fenced]
+        actions = [a[0] for a in self._posted.values()] + [a for a, _ in self._fenced]
         self._posted.clear()
         self._fenced.clear()
         for slot, _ in self._borrowed.values():
             self.stager.settled(slot)
         self._borrowed.clear()
         while not self._inbox.empty():
-            kind, item = self._inbox.get_nowait()
-            if kind == "op":
-                assert isinstance(item, tuple)
-                leftover.append(OpResult(item[0], "data plane stopped"))
+            item = self._inbox.get_nowait()
+            if isinstance(item, tuple):
+                actions.append(item[0])
+        leftover: list[Result] = [OpResult(a, "data plane stopped") for a in actions]
         if leftover:
             self._on_results(leftover)
 
     def _run(self) -> None:
         self.native_id = threading.get_native_id()
-        command: tuple[str, object] | None = None
+        command: object = None
         try:
             self.stager.calibrate()
             while not self._stop.is_set():
@@ -321,7 +318,7 @@ class DataPlane:
             stamps = OpStamps(started, planned, sent, max(now, sent), staged)
             results.append(OpResult(action, c.error, stamps))
 
-    def _wait(self, results: list[Result], busy: bool) -> tuple[str, object] | None:
+    def _wait(self, results: list[Result], busy: bool) -> object:
         """Hand the results over, then wait for a command as :meth:`_nap` says."""
         if results:
             self._on_results(results)
@@ -378,10 +375,8 @@ class DataPlane:
 
     def _nap(self) -> float | None:
         """How long to wait for a command before polling again when the last
-        poll brought nothing; None: until the next command. Why each interval
-        (a NIXL notice costs a target poll, an initiator poll and a target
-        poll again; an idle wake-up costs CPU and the GIL): docs/runtime.md,
-        "Where a handoff's time goes"."""
+        poll brought nothing (None: until the next command); why each
+        interval: docs/runtime.md, "Where a handoff's time goes"."""
         if self._posted or self._fenced:
             return self._inflight_poll_interval
         if time.monotonic() < self._busy_until or self.stager.parked:
@@ -390,39 +385,32 @@ class DataPlane:
             return self._poll_interval
         return None
 
-    def _take_commands(self, first: tuple[str, object] | None) -> list[Result]:
+    def _take_commands(self, command: object) -> list[Result]:
         results: list[Result] = []
         while True:
-            if first is not None:
-                (kind, item), first = first, None
-            else:
+            if command is None:
                 try:
-                    kind, item = self._inbox.get_nowait()
+                    command = self._inbox.get_nowait()
                 except queue.Empty:
                     return results
-            if kind == "stop":
+            if command is _STOP:
                 return results
-            if kind == "expect":
-                self._expecting = bool(item)
+            if isinstance(command, bool):
+                self._expecting = command
+                command = None
                 continue
             self._busy_until = time.monotonic() + self._busy_for
-            if kind == "peer":
-                assert isinstance(item, PeerRanks)
-                try:
-                    self._add_peer(item)
-                except KvpushError as exc:  # its transport metadata: the peer is unusable
-                    log.error("cannot add peer %s: %s", item.peer, exc)
-                    self._peers.pop(item.peer, None)
-            elif kind == "cancel":
-                assert isinstance(item, Cancel)
-                self._cancel(item, results)
-            else:
-                assert isinstance(item, tuple)
-                action, fence = item
+            if isinstance(command, PeerRanks):
+                self._add_peer(command)
+            elif isinstance(command, Cancel):
+                self._cancel(command, results)
+            elif isinstance(command, tuple):
+                action, fence = command
                 if fence is None:
                     self._post_or_fail(action, results)
                 else:
                     self._fenced.append((action, fence))
+            command = None
 
     def _release(self, results: list[Result]) -> None:
         """Post the fenced actions whose fence is done, in order; fail those
@@ -441,9 +429,8 @@ class DataPlane:
                 return
 
     def _cancel(self, cancel: Cancel, results: list[Result]) -> None:
-        """One op past its bound: drop it if it waits for its fence, else
-        ask its transport to cancel it (its result comes from the next poll);
-        nothing if it settled meanwhile."""
+        """One op past its bound: drop it if it waits for its fence, else ask
+        its transport to cancel it (the result comes from the next poll)."""
 
         def match(a: StartWrite | StartRead) -> bool:
             return (
@@ -483,13 +470,18 @@ class DataPlane:
         self._peers[peer.peer] = peer
         self._planners = {k: v for k, v in self._planners.items() if k[0] != peer.peer}
         self._prepped = {k for k in self._prepped if k[0] != peer.peer}
-        for index, (meta, layout) in peer.ranks.items():
-            for rank in self.ranks.values():
-                agent = rank.transport.add_peer(meta, layout)
-            owner = self._senders.get(agent)
-            if owner is not None and owner != peer.peer:
-                raise KvpushError(f"its agent {agent!r} belongs to peer {owner!r}")
-            self._agents[(peer.peer, index)] = agent
+        try:
+            for index, (meta, layout) in peer.ranks.items():
+                for rank in self.ranks.values():
+                    agent = rank.transport.add_peer(meta, layout)
+                owner = self._senders.get(agent)
+                if owner is not None and owner != peer.peer:
+                    raise KvpushError(f"its agent {agent!r} belongs to peer {owner!r}")
+                self._agents[(peer.peer, index)] = agent
+        except KvpushError as exc:  # its transport metadata: the peer is unusable
+            log.error("cannot add peer %s: %s", peer.peer, exc)
+            del self._peers[peer.peer]
+            return
         for agent in [a for a, owner in self._senders.items() if owner == peer.peer]:
             del self._senders[agent]
         for (name, _), agent in self._agents.items():

@@ -1,31 +1,7 @@
-"""Length-prefixed frames on a byte stream, and the control channel's preamble.
-
-Every frame on a control connection is::
-
-    offset  size  field
-    0       4     payload length n, uint32 big-endian
-    4       n     payload: a codec frame (:meth:`Codec.encode`), or a preamble
-
-The reader checks ``n`` against its limit *before* reading (or allocating) the
-payload: a length over the limit raises :class:`FramingError`, after which the
-stream is out of step and must be dropped.
-
-A connection opens with one preamble frame each way (the channel's own
-handshake, below the protocol's ``Hello``)::
-
-    dialer -> acceptor  b"KVPCH1" | instance u64 | conn_id u64 | supersedes u64 | name
-    acceptor -> dialer  b"KVPAK1" | instance u64 | conn_id u64 | name
-
-(integers big-endian, ``name`` UTF-8). With a codec secret both travel
-sealed: ``b"KVPMAC" | HMAC-SHA256 (32 bytes) | preamble or ack``, the MAC from
-:meth:`Codec.handshake_mac` over the preamble or ack (:func:`seal`,
-:func:`unseal`). A sealed one is refused without a secret and a plain one with
-a secret, like codec frames. ``instance`` is random per channel
-object (a restarted peer has a new one); ``conn_id`` is chosen by the dialer
-and echoed by the acceptor; ``supersedes`` is the id of the last connection the
-dialer had with this peer (0 if none): the acceptor uses it to tell a redial
-that replaces a connection it still holds from a stale duplicate. An acceptor
-that refuses the connection closes it without an ack.
+"""Length-prefixed frames on a byte stream, and the control channel's preamble
+and ack, sealed with the codec's secret if it has one. The byte layouts, and
+why the reader checks a length before it reads: docs/runtime.md, "The
+channel's wire format".
 """
 
 from __future__ import annotations
@@ -101,14 +77,11 @@ async def write_frame(
 
 
 async def read_frame(stream: BufferedByteReceiveStream, *, max_frame_bytes: int) -> bytes:
-    """Receive one frame's payload.
-
-    ``stream`` wraps the connection once for its whole life (bytes buffered past
-    one frame belong to the next). Raises :class:`FramingError` when the length
-    prefix exceeds ``max_frame_bytes`` (nothing of the payload is read),
-    :class:`anyio.IncompleteRead` when the stream ends before a whole frame
-    (including at a frame boundary), and the stream's own errors.
-    """
+    """Receive one frame's payload. ``stream`` wraps the connection once for
+    its whole life (bytes buffered past one frame belong to the next). Raises
+    :class:`FramingError` for a length over ``max_frame_bytes`` (nothing of the
+    payload read), :class:`anyio.IncompleteRead` when the stream ends (even at
+    a frame boundary), and the stream's own errors."""
     (length,) = _PREFIX.unpack(await stream.receive_exactly(_PREFIX.size))
     if length > max_frame_bytes:
         raise FramingError(f"frame length {length} exceeds the limit of {max_frame_bytes} bytes")

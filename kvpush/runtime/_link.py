@@ -16,14 +16,9 @@ across DIALING, PREAMBLE and BACKOFF; the LOSING state is an unrouted peer
 waiting for the peer to dial back. A peer is *up* (between ``REPORT_UP`` and
 ``REPORT_LOST``) while UP or while that window runs.
 
-The rules the rows encode (:mod:`._channel` explains why): at most one
-connection; of two crossing dials the one dialed by the smaller name wins
-(``TIE_WON``: refuse theirs; ``TIE_LOST``: adopt theirs and let ours fail); a
-dial that arrives while UP replaces the connection only if it names it
-(``supersedes``) or comes from a new instance (``REPLACE``), which also
-reports the old instance lost (a restart); a dial of ours that completes
-after another connection was adopted is closed. Only the channel feeds a
-link, one dial at a time, so a dial's results reach it in the order sent.
+The rules the rows encode, and why: docs/runtime.md, "The control channel".
+Only the channel feeds a link, one dial at a time, so a dial's results reach
+it in the order sent.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Prometheus metrics for an endpoint (optional: ``pip install kvpush[metrics]``).
-
-Named the way vLLM names its metrics (``kvpush:`` prefix, base units, ``_total``
-for counters). Phase histograms and outcomes come from the events the runtime
-reports; block gauges, bytes and ignored inputs are read from the endpoint and
-the data plane at scrape time by a collector, so nothing is double-counted.
+"""Prometheus metrics for an endpoint (optional: ``pip install kvpush[metrics]``),
+named like vLLM's (docs/runtime.md, "Metrics"). Phases and outcomes come from
+the events; everything else is read at scrape time, so nothing is counted twice.
 """
 
 from __future__ import annotations
@@ -78,8 +75,7 @@ class EndpointMetrics(Collector):
         self.endpoint = endpoint
         self.dataplane = dataplane
         registry = prom.REGISTRY if registry is None else registry
-        role = endpoint.role.value
-        labels = {"role": role, "engine": endpoint.identity.engine_id}
+        labels = {"role": endpoint.role.value, "engine": endpoint.identity.engine_id}
         self._labels = labels
         self._phase = prom.Histogram(
             "kvpush:transfer_phase_seconds",

@@ -33,39 +33,26 @@ U64 = NDArray[np.uint64]
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TransferPlan:
-    """The descriptors of one route of one transfer; arrays are read-only.
-
-    ``src`` and ``dst`` are ``(N, 3)`` ``uint64`` arrays of ``(address,
-    length, device id)`` rows, row ``i`` of ``src`` copied to row ``i`` of
-    ``dst`` (ready for ``nixl_agent.get_xfer_descs``). Rows
-    ``region_rows[r] : region_rows[r + 1]`` belong to the planner's pair ``r``
-    (the producer's region ``r``); within a region, rows follow token order.
-    :meth:`indices` gives the same transfer unmerged, for prepped lists.
-    """
+    """The descriptors of one route of one transfer; arrays are read-only
+    (the fields: docs/layouts.md, "The planner"). Within a region, rows follow
+    token order."""
 
     src: U64
     dst: U64
     region_rows: I64
-    #: Total bytes moved.
+    #: Total bytes moved; merged descriptors (rows of ``src`` and ``dst``).
     nbytes: int
+    num_descriptors: int
     #: Descriptor count without merging (the length of :meth:`indices`).
     num_pieces: int
     _classes: tuple[_Class, ...] = field(repr=False)
     _chunks: tuple[_Chunks, ...] = field(repr=False)
 
-    @property
-    def num_descriptors(self) -> int:
-        """Merged descriptor count (rows of ``src`` and ``dst``)."""
-        return int(self.src.shape[0])
-
     def indices(self) -> tuple[I64, I64]:
-        """``(src_index, dst_index)``: the transfer as unmerged pieces.
-
-        Entry ``k`` copies ``TransferPlanner.prepped(Role.PRODUCER)[src_index[k]]``
-        to ``prepped(Role.CONSUMER)[dst_index[k]]`` (for NIXL's
-        ``make_prepped_xfer``). Region-major, then token order. Computed on
-        demand: a plan that is posted merged never pays for it.
-        """
+        """``(src_index, dst_index)``: the transfer as unmerged pieces, into
+        ``TransferPlanner.prepped(Role.PRODUCER)`` and ``prepped(Role.CONSUMER)``
+        (for NIXL's ``make_prepped_xfer``), region-major, then token order;
+        computed on demand."""
         counts = np.zeros(self.region_rows.size - 1, dtype=np.int64)
         for cls in self._classes:
             counts[cls.regions] = self._chunks[cls.group].src_block.size * cls.lengths.size
@@ -210,7 +197,6 @@ class TransferPlanner:
             pairs.append((p, c))
         #: (producer region, consumer region) in the producer's order; plans follow it.
         self.pairs = tuple(pairs)
-        self._dst_groups = consumer.num_groups
         chunk: list[int] = []
         ratios: list[tuple[int, int]] = []
         limits: list[tuple[int, int]] = []
@@ -319,13 +305,10 @@ class TransferPlanner:
         return tuple(classes)
 
     def prepped(self, role: Role) -> U64:
-        """The per-piece descriptor list of one side, for ``prep_xfer_dlist``.
-
-        Entry order: pair (the producer's region order; on the consumer side,
-        the regions paired with them), block id, chunk within the block,
-        template piece; an entry for *every* block. Build it once per route:
-        :meth:`TransferPlan.indices` index into it (``Role.PRODUCER`` for the
-        source, ``Role.CONSUMER`` for the destination).
+        """The per-piece descriptor list of one side, for ``prep_xfer_dlist``
+        (what :meth:`TransferPlan.indices` index into): per pair in the
+        producer's order, per block id (every block), chunk within the block
+        and template piece. Build it once per route.
         """
         parts: list[U64] = [np.empty((0, 3), dtype=np.uint64)] * len(self.pairs)
         for cls in self.classes:
@@ -353,14 +336,8 @@ class TransferPlanner:
         first: Sequence[int] = (),
         partial: bool = False,
     ) -> TransferPlan:
-        """Plan one transfer. Raises :class:`LocalProtocolError` on bad input.
-
-        ``src_blocks[g]`` are the producer's block ids of KV group ``g`` from
-        token 0; ``dst_blocks[g]`` the consumer's blocks *to write*, from token
-        ``skip_tokens`` (a multiple of the consumer's block size: the tokens
-        the consumer already holds). The block counts must agree on the number
-        of tokens to within a block of each side; whole chunks are copied up to
-        the end of the shorter side.
+        """Plan one transfer (the arguments and what is refused with
+        :class:`LocalProtocolError`: docs/layouts.md, "The planner").
 
         One increment of a progressive source: ``first[g]`` source blocks of
         group ``g`` were written before (empty: none), only the chunks after
@@ -370,7 +347,7 @@ class TransferPlanner:
         groups = len(self.chunk_tokens)
         for what, blocks, want in (
             ("src_blocks", src_blocks, groups),
-            ("dst_blocks", dst_blocks, self._dst_groups),
+            ("dst_blocks", dst_blocks, self.consumer.num_groups),
         ):
             if not isinstance(blocks, (tuple, list)) or len(blocks) != want:
                 raise LocalProtocolError(f"{what} must list block ids for {want} KV group(s)")
@@ -456,12 +433,13 @@ def _filled(
     # One buffer for both sides: two equal-size arrays allocated and freed per
     # plan kept missing glibc's mmap threshold and were page-faulted afresh on
     # every call (3-4x slower in benchmarks/plan.py).
-    both = np.empty((2, int(region_rows[-1]), 3), dtype=np.uint64)
+    n = int(region_rows[-1])
+    both = np.empty((2, n, 3), dtype=np.uint64)
     for cls, rel, lens in merged:
         _fill(both, _rows(cls, region_rows, rel.shape[1]), cls, rel, lens)
     _readonly(both)
     _readonly(region_rows)
-    return TransferPlan(both[0], both[1], region_rows, nbytes, pieces, classes, tuple(chunks))
+    return TransferPlan(both[0], both[1], region_rows, nbytes, n, pieces, classes, tuple(chunks))
 
 
 def _fill(both: U64, rows: slice | I64, cls: _Class, rel: U64, lens: I64 | list[int]) -> None:

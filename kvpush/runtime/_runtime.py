@@ -1,10 +1,6 @@
-"""The pump: one per endpoint, after aioquic's asyncio adapter.
-
-It feeds the sans-IO core the channel's frames, the data plane's results and
-timer firings (``now`` from :func:`time.monotonic`, the clock the data plane's
-``not_after`` checks use too, whatever the event loop), drains every output
-(frames to the channel, writes and reads to the data plane, events to the
-caller) and keeps one deadline armed. It makes no protocol decision itself.
+"""The pump: one per endpoint, after aioquic's asyncio adapter; it makes no
+protocol decision itself (docs/runtime.md, "Pieces"). ``now`` is
+:func:`time.monotonic`, the clock of the data plane's ``not_after`` checks.
 """
 
 from __future__ import annotations
@@ -18,11 +14,12 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import msgpack
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kvpush.protocol import (
     Cancel,
@@ -47,7 +44,7 @@ from kvpush.protocol import (
     StartWrite,
 )
 
-from ._channel import PeerConnected, PeerLost, Received
+from ._channel_types import PeerConnected, PeerLost, Received
 from ._dataplane import NoticeIn, OpResult, PeerRanks, Result
 
 __all__ = (
@@ -56,6 +53,7 @@ __all__ = (
     "DataPlaneLike",
     "EndpointRuntime",
     "ProducerRuntime",
+    "SyncRuntime",
     "decode_rank",
     "encode_rank",
 )
@@ -70,7 +68,6 @@ class ChannelLike(Protocol):
     """What the pump needs of the control channel."""
 
     def send_nowait(self, peer: str, message: ControlMessage) -> None: ...
-
     def events(self) -> AsyncIterator[object]: ...
 
 
@@ -82,23 +79,15 @@ class DataPlaneLike(Protocol):
     error: BaseException | None
 
     def bind(self, on_results: Callable[[list[Result]], None]) -> None: ...
-
     def start(self) -> None: ...
-
     def stop(self, timeout: float = 5.0) -> None: ...
-
     def submit(self, action: StartWrite | StartRead) -> None: ...
-
     def cancel(self, cancel: Cancel) -> None: ...
-
     def add_peer(self, peer: PeerRanks) -> None: ...
-
     def stage_need(self, blocks: list[list[int]]) -> int: ...
-
     def stage(
         self, transfer_id: str, epoch: int, blocks: list[list[int]], slot: tuple[int, ...]
     ) -> None: ...
-
     def unstage(self, transfer_id: str, epoch: int) -> None: ...
 
 
@@ -289,12 +278,9 @@ class EndpointRuntime(Generic[E]):
             self.endpoint.stalled(now, gap)
 
     def kick(self) -> None:
-        """After any input: drain the endpoint's outputs, and wake the timer
-        task only if the next deadline is now earlier than the one it sleeps
-        towards (a later one it finds when it wakes). Off the loop's thread
-        the loop is woken only if it has work (frames, an earlier deadline, an
-        event for :meth:`next_events`): a wake-up for nothing costs a GIL
-        handoff."""
+        """After any input: drain the endpoint's outputs; wake the timer task
+        only for an earlier deadline, and off the loop's thread wake the loop
+        only if it has work (a wake-up for nothing costs a GIL handoff)."""
         with self.lock:
             self._drain()
             deadline = self.endpoint.next_deadline()
@@ -344,8 +330,7 @@ class EndpointRuntime(Generic[E]):
         self._events_waiting.set()
 
     def _flush(self) -> None:
-        """The loop's thread: hand the queued frames to the channel, in order,
-        and wake :meth:`next_events` if an event waits."""
+        """The loop's thread: hand the queued frames to the channel, in order."""
         while self._sends:
             out = self._sends.popleft()
             try:
@@ -358,8 +343,7 @@ class EndpointRuntime(Generic[E]):
             self._have_events.set()
 
     def _hello_sent(self, peer: str) -> None:
-        """Log a hello the core sends again (its retry, or a new connection);
-        ``stats()`` counts them (``hello_retry``, ``hello_resent_on_connect``)."""
+        """Log a hello the core sends again (``stats()`` counts them)."""
         attempts = self.endpoint.peer(peer).attempts
         if attempts > 1:
             log.warning(
@@ -367,9 +351,8 @@ class EndpointRuntime(Generic[E]):
             )
 
     def _usable(self, peer: str, hello: Hello) -> bool:
-        """Whether a hello's rank descriptions decode; a hello whose do not is
-        dropped (counted, logged) before the core sees it: the handshake with
-        that peer then never completes, and nothing else is disturbed."""
+        """Whether a hello's rank descriptions decode (one whose do not is
+        dropped before the core sees it: docs/runtime.md, "Trust")."""
         try:
             for blob in hello.ranks:
                 decode_rank(blob)
@@ -595,3 +578,90 @@ class ConsumerRuntime(EndpointRuntime[Consumer]):
             self.endpoint.read_done(
                 now, a.transfer_id, a.epoch, src, rank, ok, stamps=r.stamps if ok else None
             )
+
+
+R = TypeVar("R", bound=EndpointRuntime[Any])
+#: Seconds the runtime may take to start (once built), and to stop.
+_START_TIMEOUT = 10.0
+
+
+class SyncRuntime(Generic[R]):
+    """Owns a background event loop (anyio's blocking portal) that runs one
+    :class:`EndpointRuntime`, for engines that run their own loops (vLLM's
+    scheduler and workers). Only :meth:`call` waits for the loop
+    (docs/runtime.md, "Pieces").
+
+    ``setup`` is a coroutine function run on the loop that builds the runtime
+    (and enters whatever it needs, e.g. a channel) inside ``stack``.
+    """
+
+    def __init__(
+        self, setup: Callable[[contextlib.AsyncExitStack], Coroutine[Any, Any, R]]
+    ) -> None:
+        self._cm = start_blocking_portal()
+        self._portal: BlockingPortal = self._cm.__enter__()
+        self._stop: anyio.Event | None = None
+        try:
+            self._future, runtime = self._portal.start_task(self._serve, setup)
+        except BaseException:
+            self._cm.__exit__(None, None, None)
+            raise
+        self.runtime: R = runtime
+        self._closed = False
+        #: Calls that waited for the loop's thread (:meth:`call`).
+        self.round_trips = 0
+
+    async def _serve(
+        self,
+        setup: Callable[[contextlib.AsyncExitStack], Coroutine[Any, Any, R]],
+        *,
+        task_status: anyio.abc.TaskStatus[R],
+    ) -> None:
+        """One task owns everything the runtime entered, from start to stop."""
+        async with contextlib.AsyncExitStack() as stack:
+            # No timeout scope around setup: it enters contexts (task groups)
+            # that must outlive it.
+            runtime = await setup(stack)
+            async with anyio.create_task_group() as tg:
+                with anyio.fail_after(_START_TIMEOUT):
+                    await tg.start(runtime.run)
+                self._stop = anyio.Event()
+                task_status.started(runtime)
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the loop (e.g. ``runtime.reserve``) and return
+        its result. Events it causes wait in the queue for :meth:`events`."""
+        if self._closed:
+            raise KvpushError("the runtime is closed")
+        self.round_trips += 1
+        return self._portal.call(fn, *args)
+
+    def events(self) -> list[Event]:
+        """:meth:`EndpointRuntime.events_nowait` (no hop onto the loop)."""
+        return self.runtime.events_nowait()
+
+    def wait_events(self, timeout: float) -> list[Event]:
+        """:meth:`EndpointRuntime.wait_events` (the loop goes on meanwhile)."""
+        if self._closed:
+            raise KvpushError("the runtime is closed")
+        return self.runtime.wait_events(timeout)
+
+    def close(self) -> None:
+        """Stop the runtime and the loop thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._stop is not None:
+                self._portal.call(self._stop.set)
+            self._future.result(_START_TIMEOUT)
+        finally:
+            self._cm.__exit__(None, None, None)
+
+    def __enter__(self) -> SyncRuntime[R]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -53,11 +53,8 @@ def stage_bytes(layout: KVLayout, blocks: Sequence[Sequence[int]]) -> int:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Staged:
-    """One side's pieces of a staged op, sorted by image offset.
-
-    ``kv``: ``(N, 3)`` rows of this side's KV memory; ``image``: each piece's
-    offset in the consumer's slot image. :meth:`spans` merges them into the
-    contiguous runs of the image."""
+    """One side's pieces of a staged op, sorted by image offset: ``kv``, its
+    ``(N, 3)`` rows of KV memory, and ``image``, each one's offset in the slot."""
 
     kv: U64
     image: I64
@@ -237,12 +234,10 @@ def calibrate(copier: Copier, src: U64, dst: U64, repeat: int = 3) -> tuple[floa
 
 
 class HostCopier:
-    """:class:`Copier` for host memory (DRAM), measured on a 2-core host
-    (``benchmarks/staging.py``): a scatter out of one contiguous buffer is
-    numpy's fancy assignment into a view of the address range (about 6 GB/s
-    at 4 KiB rows, no temporary); anything else is one ``memmove`` per row
-    after merging rows contiguous on both sides (3 GB/s at 4 KiB, 5-6 from
-    16 KiB; numpy's gathers need a temporary and reach 2.5)."""
+    """:class:`Copier` for host memory (DRAM): a scatter out of one contiguous
+    buffer is numpy's fancy assignment into a view of the address range (about
+    6 GB/s at 4 KiB rows on a 2-core host, ``benchmarks/staging.py``); anything
+    else one ``memmove`` per merged row (3 GB/s; numpy's gathers reach 2.5)."""
 
     __slots__ = ()
 
@@ -252,8 +247,9 @@ class HostCopier:
             return
         lens = src[:, 1]
         length = int(lens[0])
-        uniform = n > 16 and bool((lens == length).all())
-        if uniform and length % 8 == 0 and _consecutive(src, length):
+        uniform = n > 16 and length % 8 == 0 and bool((lens == length).all())
+        # One run of memory: a scatter out of one contiguous buffer.
+        if uniform and bool((np.diff(src[:, 0].astype(np.int64)) == length).all()):
             self._scatter(int(src[0, 0]), dst[:, 0].astype(np.int64), length)
             return
         as_int = (src[:, 1], src[:, 0], dst[:, 0])
@@ -274,8 +270,3 @@ class HostCopier:
         at = (first - lo) // unit
         block = mem[at : at + d.size * width].reshape(d.size, width)
         rows[(d - lo) // unit] = block
-
-
-def _consecutive(rows: U64, length: int) -> bool:
-    """Whether the rows follow each other in one run of memory."""
-    return bool((np.diff(rows[:, 0].astype(np.int64)) == length).all())

@@ -80,12 +80,7 @@ class Stager:
     """Staging for one data plane (see the module docs)."""
 
     def __init__(
-        self,
-        copier: Copier | None,
-        layouts: dict[int, KVLayout],
-        costs: CostModel | None = None,
-        *,
-        park_for: float = 30.0,
+        self, copier: Copier | None, layouts: dict[int, KVLayout], costs: CostModel | None = None
     ) -> None:
         self.copier = copier
         self.costs = costs
@@ -107,8 +102,10 @@ class Stager:
         #: Consumer: live reservations' blocks and slots, and notices waiting for one.
         self._records: dict[Key, _Record] = {}
         self._lock = threading.Lock()
-        self._parked: list[tuple[float, object]] = []
-        self.park_for = park_for
+        #: Notices waiting for their reservation's record, with their deadlines.
+        self.parked: list[tuple[float, object]] = []
+        #: Seconds a staged notice waits for its reservation's record.
+        self.park_for = 30.0
         self.staged_writes = 0
         self.staged_bytes = 0
         self.direct_writes = 0
@@ -116,11 +113,9 @@ class Stager:
         self.dropped_notices = 0
 
     def calibrate(self) -> None:
-        """Unless a cost model was given: measure the copier on the first
-        pool (rows of 4 KiB scattered over one half, gathered into the other;
-        then one row) and pair it with the transport coefficients of that
-        pool's memory (``TRANSPORT_COSTS``). Runs before any transfer: the
-        pool holds nothing yet."""
+        """Unless a cost model was given: measure the copier on the first pool
+        (before any transfer: it holds nothing yet) and pair it with the
+        transport coefficients of that pool's memory (``TRANSPORT_COSTS``)."""
         if self.costs is not None or not self._pools or self.copier is None:
             return
         index = min(self._pools)
@@ -173,24 +168,19 @@ class Stager:
             and self._worth_it(plan)
         )
         staged = self._gather(action, index, planner, plan, remote) if chosen else None
+        reach, result = staged if staged is not None else (prefix, None)
         notice = action.notice
-        if staged is None:
-            self.direct_writes += 1
-            if notice is None:
-                self._remember(key, (prefix, False))
-            else:
-                self._streams.pop(key, None)
-                if prefix:  # earlier increments went staged: their prefix waits in the slot
-                    notice = replace(notice, staged=prefix)
-            return None, notice
-        reach, result = staged
         if notice is None:
-            self._remember(key, (reach, True))
+            self._remember(key, (reach, result is not None))
         else:
             self._streams.pop(key, None)
-            notice = replace(notice, staged=reach)
-        self.staged_writes += 1
-        self.staged_bytes += result.nbytes
+            if reach:  # staged now, or by the increments before: it waits in the slot
+                notice = replace(notice, staged=reach)
+        if result is None:
+            self.direct_writes += 1
+        else:
+            self.staged_writes += 1
+            self.staged_bytes += result.nbytes
         return result, notice
 
     def _remember(self, key: tuple[str, int, Route], value: tuple[tuple[int, ...], bool]) -> None:
@@ -307,19 +297,13 @@ class Stager:
             self.scatters += 1
         return None
 
-    @property
-    def parked(self) -> bool:
-        """Whether a notice waits for its reservation's record."""
-        return bool(self._parked)
-
     def park(self, item: object, until: float | None = None) -> None:
         """Keep a notice until ``until`` (default: ``park_for`` from now)."""
-        self._parked.append((time.monotonic() + self.park_for if until is None else until, item))
+        self.parked.append((time.monotonic() + self.park_for if until is None else until, item))
 
     def unpark(self) -> list[tuple[float, object]]:
-        """Parked notices to try again, with their deadlines (expired ones are
-        dropped, counted)."""
-        items, self._parked = self._parked, []
+        """Parked notices to try again, with their deadlines (expired: dropped)."""
+        items, self.parked = self.parked, []
         now = time.monotonic()
         alive = []
         for until, item in items:

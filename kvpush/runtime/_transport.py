@@ -116,16 +116,10 @@ class Transport(Protocol):
 @runtime_checkable
 class PreppedTransport(Transport, Protocol):
     """A transport that can also post by index into descriptor lists prepared
-    once per (peer, route): NIXL's ``prep_xfer_dlist`` / ``make_prepped_xfer``.
-
-    The data plane prepares a route's lists the first time it posts on it
-    (:meth:`~kvpush.runtime.TransferPlanner.prepped`, one row per unmerged
-    piece of every block) and forgets them when the peer's metadata is
-    replaced; each transfer then passes
-    :meth:`~kvpush.runtime.TransferPlan.indices`. Which of the two ways a
-    given plan goes is the transport's call (:meth:`prefers_prepped`), from
-    what it measured.
-    """
+    once per (peer, route): NIXL's ``prep_xfer_dlist`` / ``make_prepped_xfer``
+    (docs/operations.md, "Posting: descriptor rows or prepared lists"). The
+    data plane prepares a route's lists the first time it posts on it and
+    forgets them when the peer's metadata is replaced."""
 
     def prefers_prepped(self, merged_rows: int, pieces: int) -> bool:
         """Whether a plan of ``merged_rows`` merged descriptors (``pieces``
