@@ -3,9 +3,9 @@
 
 Each command is an entry of the ``kvpush.commands`` registry (entry points in
 ``pyproject.toml``; docs/architecture.md): ``demo`` is :mod:`kvpush.demo`'s,
-``simulate`` :mod:`kvpush.sim`'s and ``router`` the vLLM package's. This module
-imports none of them by name, so a package above ``kvpush`` (the router, in
-``kvpush_vllm``) adds its command without ``kvpush`` depending on it. A
+``simulate`` :mod:`kvpush.sim`'s and ``router`` :mod:`kvpush_router`'s. This
+module imports none of them by name, so a package above ``kvpush`` (the
+router) adds its command without ``kvpush`` depending on it. A
 command whose optional dependencies are missing is still listed; running it
 says what is missing and how to install it.
 """

@@ -132,18 +132,17 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, prefix: str = "
         default = f.default_factory() if f.default_factory is not MISSING else f.default
         shown = f" [{spec.unit}]" if spec.unit else ""
         text = f"{spec.help}{shown} (default: {_show(default)})"
+        common: dict[str, Any] = {"dest": prefix + f.name, "default": None, "help": text}
         base = _base(kind)
         if base is bool:
-            parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=text)  # fmt: skip
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         elif base in (tuple, frozenset) and spec.parse is None:  # else: one text to parse
-            parser.add_argument(flag, dest=prefix + f.name, nargs="+", default=None, help=text)
+            parser.add_argument(flag, nargs="+", **common)
         else:  # choices shown, not enforced: from_arguments refuses with the option's text
             choices = spec.choices or _members(base)
             metavar = "{" + ",".join(map(str, choices)) + "}" if choices else None
             kind_of = base if base in (int, float) else str
-            parser.add_argument(flag, dest=prefix + f.name, default=None, help=text,
-                                type=kind_of, metavar=metavar)  # fmt: skip
+            parser.add_argument(flag, type=kind_of, metavar=metavar, **common)
 
 
 def from_arguments(
