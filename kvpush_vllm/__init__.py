@@ -1,13 +1,7 @@
-"""kvpush for vLLM: the ``KvpushConnector`` KV connector
-(``kvpush_vllm.connector``, imported by vLLM through
-``kv_connector_module_path``), and the contract a router speaks to it: the
-``kv_transfer_params`` it sends (:class:`TransferParams`, sealed with
-:class:`Contract`), the release of a failed decode leg's KV
-(:func:`release_params`) and the per-request breakdown lines (:class:`Breakdown`).
-The router itself (``kvpush router``) is :mod:`kvpush_router`'s.
-
-Importing this package does not need vLLM: the connector module imports it.
-See docs/vllm.md and docs/contract.md.
+"""kvpush for vLLM: the ``KvpushConnector`` KV connector (``kvpush_vllm.connector``,
+which vLLM imports through ``kv_connector_module_path``), and the contract a
+router speaks to it (docs/contract.md). Importing this package does not need
+vLLM. The router itself is :mod:`kvpush_router`'s. See docs/vllm.md.
 """
 
 from __future__ import annotations

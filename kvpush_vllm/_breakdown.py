@@ -90,8 +90,8 @@ class Breakdown:
         if self._file is None:
             return
         rec = self._open.pop(req_id, {})
-        timeline = rec.pop("_timeline", None) if timeline is None else timeline
-        rec.pop("_timeline", None)
+        kept = rec.pop("_timeline", None)
+        timeline = kept if timeline is None else timeline
         line = {"side": self.side, "req_id": req_id, **rec, **fields}
         if timeline is not None:
             line.setdefault("transfer_id", timeline.transfer_id)

@@ -1,23 +1,16 @@
-"""Between the scheduler side and the workers: the data plane's stand-in and
-the doorbell.
+"""Between the scheduler side and the workers: the data plane's stand-in, the doorbell.
 
-In vLLM the KV tensors live in the worker processes (one per TP rank), the
-protocol endpoint and control channel in the engine-core process.
-:class:`WorkerBridge` is the pump's :class:`~kvpush.runtime.DataPlaneLike`
-there: an op the core emits waits here until ``build_connector_meta`` ships it
-to the workers (the rank that serves its route posts it); their results come
-back through ``update_connector_output`` (``SchedulerSide.results``). The pump
-calls in from whichever thread fed the core, vLLM calls :meth:`take` on the
-scheduler thread: one lock guards the queues.
+In vLLM the KV tensors live in the worker processes, the protocol endpoint in
+the engine-core process. :class:`WorkerBridge` is the pump's
+:class:`~kvpush.runtime.DataPlaneLike` there: an op the core emits waits until
+``build_connector_meta`` ships it to the workers; their results come back
+through ``update_connector_output``. One lock guards the queues (the pump
+calls in from whichever thread fed the core, vLLM from its scheduler thread).
 
-An idle decode step waits up to ``idle_wait`` (``SchedulerSide._idle_wait``),
-but a push notice or a read's completion lands in a *worker* and reaches the
-scheduler only with the step's output, after the wait. So a worker rings the
-scheduler side's :class:`Doorbell` (one UDP datagram) whenever it has
-results: the wait ends and ``update_connector_output`` hears the load in that
-step. The bell is a hint, never the message: a lost or stale ring costs at
-most one wait or one early step, and a worker on another host changes
-nothing but the latency.
+A worker with results rings the scheduler side's :class:`Doorbell` (one UDP
+datagram) to end an idle decode step's wait (docs/performance.md). The bell
+is a hint, never the message: a lost or stale ring costs at most one wait or
+one early step.
 """
 
 from __future__ import annotations
@@ -37,9 +30,8 @@ __all__ = ("Bell", "Doorbell", "Outbound", "Staged", "WorkerBridge")
 
 @dataclass(slots=True)
 class Staged:
-    """The decode's staging records for the workers (docs/layouts.md): the
-    reservations that own a slot (transfer, epoch, blocks, slot), and those
-    that ended (transfer, epoch), dropped first."""
+    """The decode's staging records for the workers (docs/layouts.md): those
+    that own a slot, and those that ended (dropped first)."""
 
     records: list[tuple[str, int, list[list[int]], tuple[int, ...]]] = field(default_factory=list)
     dropped: list[tuple[str, int]] = field(default_factory=list)
@@ -97,8 +89,7 @@ class WorkerBridge:
             self._on_results([OpResult(action, "the connector stopped")])
 
     def cancel(self, cancel: Cancel) -> None:
-        """Ship the core's cancel with the next step to the worker that
-        posted the op (its data plane asks its transport)."""
+        """Ship the core's cancel with the next step to the worker that posted the op."""
         with self._lock:
             if not self._stopped:
                 self._out.actions.append(cancel)
@@ -108,8 +99,7 @@ class WorkerBridge:
             self._out.peers.append(peer)
 
     def stage_need(self, blocks: list[list[int]]) -> int:
-        """The slot a reservation of ``blocks`` asks for: their bytes on the
-        largest rank (0: the workers have no staging pools)."""
+        """Bytes a reservation of ``blocks`` needs on the largest rank (0: no pools)."""
         return max((stage_bytes(lay, blocks) for lay in self.staging_layouts), default=0)
 
     def stage(
@@ -122,9 +112,8 @@ class WorkerBridge:
             self._out.staging.records.append((transfer_id, epoch, blocks, slot))
 
     def unstage(self, transfer_id: str, epoch: int) -> None:
-        """Ship the drop with the next step. The workers apply it before that
-        step's forward; ``SchedulerSide`` frees a released reservation's
-        blocks only once that is certain (its ``_releasing``)."""
+        """Ship the drop with the next step, applied before that step's
+        forward (``SchedulerSide._releasing`` frees the blocks after)."""
         with self._lock:
             if (transfer_id, epoch) in self._staged:
                 self._staged.discard((transfer_id, epoch))
@@ -159,8 +148,7 @@ class Doorbell:
         self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
 
     def wait(self, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds for a ring; True if one came (every
-        ring queued so far is taken)."""
+        """Block up to ``timeout`` seconds for a ring; True if one came (all are taken)."""
         readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
         if not readable:
             return False

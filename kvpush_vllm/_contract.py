@@ -1,23 +1,13 @@
-"""The handoff contract: every ``kv_transfer_params`` shape kvpush accepts,
-parsed in one place, and what a prefill answers (docs/contract.md, the
-reference for routers).
-
-Every shape becomes one :class:`~kvpush_vllm._params.TransferParams`: kvpush's
-own object (``_params.py``); vLLM's NixlConnector prefill leg (the prefill
-mints the transfer id and answers a sealed ``kvpush`` decode leg, pull);
-llm-d's NIXL push legs (the prefill answers its identity); MoRI-IO WRITE legs
-(the prefill's address in vllm-router's request id: only with
-``router_discovery``, so a real MoRI-IO deployment is never misread).
+"""The handoff contract: every ``kv_transfer_params`` shape kvpush accepts
+(docs/contract.md, the reference for routers), parsed in one place into one
+:class:`~kvpush_vllm._params.TransferParams`, and what a prefill answers.
 
 Trust: a decode leg names the prefill to connect to, and a client can put that
 name in a request (a router copies a client's parameters when the prefill
 answers none). So a decode acts on a peer only when the leg carries a valid
-seal (an HMAC under the shared ``secret``) or the peer is in ``allowed_peers``;
-otherwise it refuses the leg and computes the request itself. Every refusal
-has a class (:data:`REFUSALS`, naming its fix); a refused :class:`ParamsError`
-carries a leg the decode trusts, whose prefill it tells to release the KV at
-once. A release (:func:`release_params`) is sealed under a distinct label, so a
-decode leg's seal never releases.
+seal (an HMAC under the shared ``secret``) or the peer is in ``allowed_peers``.
+A release is sealed under a distinct label, so a decode leg's seal never
+releases.
 """
 
 from __future__ import annotations
@@ -50,9 +40,8 @@ __all__ = (
     "release_params",
 )
 
-#: Why a leg is refused -> what fixes it (docs/contract.md, "Refused"). The
-#: keys label ``vllm:kvpush_params_refused_total``; the connector logs the
-#: first refusal of each class at ERROR with its fix, the rest at DEBUG.
+#: Why a leg is refused -> what fixes it (docs/contract.md, "Refused"); the
+#: keys label ``vllm:kvpush_params_refused_total``.
 REFUSALS: dict[str, str] = {
     "malformed": "make the router send one of the shapes of docs/contract.md",
     "ambiguous": "send either kvpush's object or NIXL's do_remote_* flags in a request, not both",
@@ -68,8 +57,7 @@ REFUSALS: dict[str, str] = {
     "release_unsealed": "set the same `secret` on the router and the prefill",
 }
 
-#: The prefill leg of vLLM's NixlConnector, as vllm-router's default mode and
-#: llm-d's sidecar send it (llm-d adds a ``transfer_id``).
+#: NixlConnector's prefill leg, as vllm-router and llm-d send it (llm-d adds a ``transfer_id``).
 NIXL_PREFILL_LEG: dict[str, bool | None] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -114,13 +102,9 @@ def _release_seal(secret: bytes, release: Release) -> str:
 
 
 def release_params(transfer_id: str, mode: str, secret: bytes | None) -> dict[str, object]:
-    """The ``kv_transfer_params`` that ``kvpush router`` sends the prefill, in
-    a request of one prompt token and ``max_tokens`` 1, when the decode leg of
-    ``transfer_id`` failed at the decode's API layer (4xx, 5xx, no
-    connection): the prefill releases that transfer's KV at once and serves
-    the request as a plain one. Sealed under ``secret`` (the prefill's, which
-    then requires it); with ``secret`` ``None`` unsealed, which only a prefill
-    without a secret accepts."""
+    """The ``kv_transfer_params`` of a release (docs/contract.md, "Release"),
+    sealed under ``secret`` (``None``: unsealed, which only a prefill without
+    a secret accepts)."""
     release = Release.from_params({"transfer_id": transfer_id, "mode": mode})
     body: dict[str, str] = {"transfer_id": release.transfer_id, "mode": release.mode.value}
     if secret is not None:
@@ -162,13 +146,8 @@ class Contract:
         self, params: object, request_id: str, serves: LegRole
     ) -> TransferParams | Release | None:
         """The leg in ``params`` for an instance that serves ``serves`` legs,
-        or (a prefill) a :class:`Release`.
-
-        ``None``: a plain request (no shape kvpush knows). Raises
-        :class:`ParamsError` (its ``reason`` a key of :data:`REFUSALS`) for a
-        malformed, ambiguous or contradictory leg, a leg of the other role,
-        (decode) an untrusted peer, and (prefill) a release not sealed under
-        this instance's secret."""
+        (a prefill) a :class:`Release`, or ``None`` (a plain request). Raises
+        :class:`ParamsError`, its ``reason`` a key of :data:`REFUSALS`."""
         if params is None:
             return None
         if not isinstance(params, Mapping):
@@ -216,8 +195,8 @@ class Contract:
     def _declinable(
         self, leg: TransferParams, raw: Mapping[str, Any], serves: LegRole
     ) -> TransferParams | None:
-        """``leg``, if a decode refusing it (for a reason other than trust)
-        may tell its prefill: a decode leg at a decode, whose peer it trusts."""
+        """``leg``, if a decode refusing it (not for trust) may tell its
+        prefill: a decode leg at a decode, whose peer it trusts."""
         ok = leg.role == serves == "decode" and self._distrust(leg, raw) is None
         return leg if ok else None
 
@@ -258,7 +237,6 @@ class Contract:
         mode = raw.get("transfer_mode")
         if mode is not None and mode != "push":
             raise ParamsError(f"transfer_mode must be 'push', got {mode!r}")
-
         if mode == "push":
             if tid is None:
                 raise ParamsError("an llm-d push decode leg needs its transfer_id")
@@ -313,8 +291,7 @@ class Contract:
         self, leg: TransferParams, request_id: str, control: str, engine: str, tp: int
     ) -> dict[str, Any] | None:
         """What a prefill returns from ``request_finished`` for ``leg``: the
-        decode's leg, in the shape its router copies (``control``: this
-        instance's control address; ``engine``: its engine id and instance)."""
+        decode's leg, in the shape its router copies (docs/contract.md)."""
         if leg.shape == "kvpush":
             return None  # the kvpush router sent the decode its leg already
         if leg.shape == "nixl":

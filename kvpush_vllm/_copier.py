@@ -2,13 +2,10 @@
 (``kvpush.runtime.Copier``; torch is imported only here: docs/architecture.md;
 the method and its speed: docs/layouts.md, "Staged transfers").
 
-Rows are ``(address, length, device)``, every address inside one of the
-tensors the copier was built with (the KV caches and the staging pool). Rows
-of one length at offsets that are multiples of it are copied as rows of a 2-D
-view, eight bytes per element where the length allows; anything else row by
-row. :meth:`TorchCopier.copy` returns once its stream is synchronized: a
-gathered slot is complete before the write that reads it is posted, a scatter
-before its notice reaches the core.
+Rows are ``(address, length, device)``, inside the tensors the copier was
+built with (the KV caches and the staging pool). :meth:`TorchCopier.copy`
+returns once its stream is synchronized: a gathered slot is complete before
+the write that reads it is posted, a scatter before its notice reaches the core.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The ``kv_transfer_params`` the kvpush router sends and the connector reads:
-the one definition of that schema (docs/router.md, docs/contract.md).
-
-The router builds ``{"kvpush": {"transfer_id", "role", "mode", "peer"}}`` with
-:meth:`TransferParams.to_params` (``seal`` the one other key allowed), the
-connector parses it with :meth:`TransferParams.from_params`; ``_contract.py``
-parses the other shapes kvpush reads into the same :class:`TransferParams`,
-and a :class:`Release`. On the decode leg ``peer`` is the prefill's control
-address, which the decode connects to; on the prefill leg it is only
-informational (the decode registers with the prefill, never the reverse).
+the one definition of ``{"kvpush": {"transfer_id", "role", "mode", "peer"}}``
+(docs/router.md, docs/contract.md; ``_contract.py`` parses the other shapes
+into the same :class:`TransferParams`). On the decode leg ``peer`` is the
+prefill's control address; on the prefill leg it is only informational.
 """
 
 from __future__ import annotations
@@ -48,11 +43,8 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 
 class ParamsError(ConfigError):
     """``kv_transfer_params`` do not follow the schema; the message says how.
-
-    ``reason``: the class of the refusal (a key of ``_contract.REFUSALS``,
-    which names its fix; the label of ``vllm:kvpush_params_refused_total``).
-    ``leg``: a decode leg this instance trusts, read before the refusal (its
-    prefill can be told to release the KV at once), else ``None``."""
+    ``reason``: a key of ``_contract.REFUSALS``; ``leg``: a decode leg this
+    instance trusts, whose prefill it tells to release the KV, or ``None``."""
 
     def __init__(
         self, message: str, reason: str = "malformed", leg: TransferParams | None = None
@@ -132,12 +124,8 @@ class TransferParams:
 
     @classmethod
     def from_params(cls, kv_transfer_params: object) -> TransferParams | None:
-        """Parse a request's ``kv_transfer_params``.
-
-        Returns ``None`` when they are ``None`` or hold no ``"kvpush"`` entry (a
-        request the kvpush router did not route); raises :class:`ParamsError`
-        when they are not a JSON object or the entry breaks the schema.
-        """
+        """Parse a request's ``kv_transfer_params``: ``None`` when they hold no
+        ``"kvpush"`` entry; :class:`ParamsError` when it breaks the schema."""
         if kv_transfer_params is None:
             return None
         if not isinstance(kv_transfer_params, Mapping):
@@ -165,12 +153,9 @@ class TransferParams:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """A release: the prefill is to release ``transfer_id``'s KV now (its
-    decode leg failed before the decode's engine saw it). Sent by
-    ``kvpush router`` to the prefill as
-    ``{"kvpush_release": {"transfer_id", "mode"[, "seal"]}}``, in a request of
-    its own (a one-token prompt, ``max_tokens`` 1) that the prefill serves as
-    a plain one. Built by ``_contract.release_params``."""
+    """A release (docs/contract.md): the prefill is to release
+    ``transfer_id``'s KV now, as its decode leg failed before the decode's
+    engine saw it (``_contract.release_params`` builds one)."""
 
     transfer_id: str
     mode: Mode

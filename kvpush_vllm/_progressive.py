@@ -1,13 +1,9 @@
 """Progressive push on a prefill instance: which blocks each step computed.
 
 With chunked prefill and ``progressive``, each step's chunk goes to the core
-as an increment (``Producer.kv_ready(final=False)``) once its KV is known
-written: :meth:`Progress.plan` lists step N's tracked requests and their
-tokens after its forward, every worker echoes that after its
-``wait_for_save``, and once every rank did, :meth:`Progress.computed` gives
-the whole blocks so far. ``request_finished`` gives the whole source, as
-without progressive push. A preempted prefill loses its blocks while a source
-can only grow, so :meth:`Progress.preempted` abandons its transfer.
+as an increment (``Producer.kv_ready(final=False)``) once every rank echoed it
+after its ``wait_for_save``, so its KV is known written. A preempted prefill
+loses its blocks while a source can only grow: its transfer is abandoned.
 """
 
 from __future__ import annotations
@@ -35,8 +31,8 @@ class _Req:
 class Progress:
     """The prefill requests sent progressively, and their computed blocks."""
 
-    def __init__(self, block_size: int, tp: int) -> None:
-        self._block_size, self._tp = block_size, tp
+    def __init__(self, tokens_per_block: int, tp: int) -> None:
+        self._tokens_per_block, self._tp = tokens_per_block, tp
         self._reqs: dict[str, _Req] = {}
 
     def track(self, req_id: str, transfer_id: str, prompt_tokens: int) -> None:
@@ -48,9 +44,8 @@ class Progress:
         self._reqs.pop(req_id, None)
 
     def preempted(self, req_id: str) -> str | None:
-        """vLLM's scheduler preempted prefill ``req_id`` (its blocks are freed):
-        stop tracking it. Returns its transfer id if an increment was given to
-        the core already (that transfer must be abandoned)."""
+        """Stop tracking a preempted ``req_id``; its transfer id if an
+        increment was given to the core already (it must be abandoned)."""
         rec = self._reqs.pop(req_id, None)
         return rec.transfer_id if rec is not None and rec.published else None
 
@@ -89,7 +84,7 @@ class Progress:
             rec = self._reqs[req_id]
             if len(rec.reported) < self._tp:
                 continue
-            whole = min(min(rec.reported.values()) // self._block_size, len(rec.blocks))
+            whole = min(min(rec.reported.values()) // self._tokens_per_block, len(rec.blocks))
             if whole > rec.published:
                 rec.published = whole
                 out.append((req_id, rec.transfer_id, rec.blocks[:whole]))

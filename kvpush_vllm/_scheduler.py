@@ -9,11 +9,9 @@ a decode's ``Failed`` only at ``Released``, as no late write can land in the
 blocks after. vLLM's scheduler thread runs the core under the runtime's lock
 and never waits for its loop, but for the first leg to a new prefill.
 
-:class:`Registrar` registers the instance with vllm-router's ZMQ discovery
-when ``router_discovery`` is set (docs/contract.md, "Running behind
-vllm-router"): the router writes the registered ``zmq_address`` verbatim into
-each request id, where the decode reads the prefill's address
-(``_contract.peer_of_request_id``), so kvpush registers its control address.
+:class:`Registrar` registers with vllm-router's ZMQ discovery (docs/contract.md,
+"Running behind vllm-router"), giving the control address as ``zmq_address``:
+the router writes it into each request id, where the decode reads it.
 """
 
 from __future__ import annotations
@@ -85,8 +83,7 @@ class Reports:
 class _Transfer:
     req_id: str
     blocks: list[int]
-    #: decode: "loading", "failed", "aborted" (vLLM finished it), "preempted";
-    #: prefill: "sending".
+    #: decode: loading, failed, aborted (vLLM finished it), preempted; prefill: sending.
     state: str
     failure: str = ""
     #: Decode: its reservation owns a staging slot (its workers keep a record).
@@ -98,8 +95,7 @@ _SLICE = 0.002
 #: Bytes per page of the decode's staging pool (a slot is whole pages).
 STAGING_PAGE = 1 << 16
 
-#: A transfer's key: (transfer id, epoch); the prefill side uses epoch 0 (it
-#: sees one transfer per id, whatever the decode's epochs).
+#: A transfer's key: (transfer id, epoch); epoch 0 on the prefill side.
 _Key = tuple[str, int]
 
 
@@ -107,10 +103,10 @@ class SchedulerSide:
     """One instance's endpoint, driven from vLLM's scheduler thread."""
 
     def __init__(
-        self, role: Role, config: ConnectorConfig, tp: int, num_kv_heads: int, block_size: int
+        self, role: Role, config: ConnectorConfig, tp: int, num_kv_heads: int, tokens_per_block: int
     ) -> None:
         self.role, self.config, self.tp, self.num_kv_heads = role, config, tp, num_kv_heads
-        self.block_size = block_size
+        self.tokens_per_block = tokens_per_block
         self._scale = 1  # rows per token in the layout's blocks (_tensors.token_scale)
         self.bridge = WorkerBridge()
         self._sync: SyncRuntime[Any] | None = None
@@ -119,8 +115,7 @@ class SchedulerSide:
         self._by_key: dict[_Key, _Transfer] = {}
         self._key_of: dict[str, _Key] = {}  # req id -> its live transfer
         self._done: set[str] = set()  # decode req ids whose load ended
-        #: Decode req ids vLLM asked about but could not allocate for yet ->
-        #: when we last asked their prefill to keep the KV (``keep``).
+        #: Decode req ids not allocated for yet -> when we last asked (``_keep``).
         self._waiting: dict[str, float] = {}
         self._reports = Reports()
         side = "prefill" if role is Role.PRODUCER else "decode"
@@ -128,8 +123,7 @@ class SchedulerSide:
         self.port = 0
         #: This instance's id in its Hello: a restart changes it.
         self.instance = secrets.randbits(63)
-        #: What :meth:`stats` reports next: phase durations and counts since
-        #: the last report, the block gauges when they last changed.
+        #: What :meth:`stats` reports next.
         self._phases: list[tuple[str, float]] = []
         self._gauges: dict[str, int] = {}
         self._counts: collections.Counter[str] = collections.Counter()
@@ -139,8 +133,7 @@ class SchedulerSide:
         #: Prefill -> the address its channel route was given (``_route``).
         self._routes: dict[str, tuple[str, int]] = {}
         #: Engine steps so far, and decode reservations released with a staging
-        #: record on the workers: their blocks are freed from the step at which
-        #: every worker has surely dropped it (:meth:`_event`).
+        #: record on the workers, freed from a later step (:meth:`_event`).
         self._steps = 0
         self._releasing: list[tuple[int, Released, _Transfer, _Key]] = []
         #: Decode: what the workers ring when they have results (``_idle_wait``).
@@ -165,7 +158,7 @@ class SchedulerSide:
         layouts = [decode_rank(b)[1] for b in blobs]
         if self.role is Role.CONSUMER and all(lay.staging is not None for lay in layouts):
             self.bridge.staging_layouts = layouts
-        self._scale = token_scale(layouts[0], self.block_size)
+        self._scale = token_scale(layouts[0], self.tokens_per_block)
         cfg = self.config
         identity = Identity(
             cfg.engine_id,
@@ -302,10 +295,9 @@ class SchedulerSide:
             self.decline(exc.leg)
 
     def decline(self, params: TransferParams) -> None:
-        """This decode will not load ``params``' transfer: tell its prefill to
-        release the KV now, not at its ``kv_hold_timeout``. The caller trusts
-        ``params.peer``; even so this never dials it, and sends nothing
-        without a handshake with it."""
+        """This decode will not load ``params``' transfer: tell its (trusted)
+        prefill to release the KV now, not at its ``kv_hold_timeout``; never
+        dialing it, only over a handshake already done."""
         sent = False
         if self._sync is not None and params.peer in self._routes:
             sent = self._sync.runtime.decline(params.transfer_id, params.peer)
@@ -315,9 +307,8 @@ class SchedulerSide:
         log.debug("kvpush: %s: prefill %s %s", params.transfer_id, params.peer, told)
 
     def _keep(self, req_id: str, params: TransferParams) -> None:
-        """The request waits for blocks while its prefill may hold the KV for
-        ``kv_hold_timeout`` only: ask it to keep the KV, every third of that
-        (:meth:`Consumer.keep`; the first call also starts the handshake)."""
+        """While the request waits for blocks, ask its prefill to keep the KV
+        every third of ``kv_hold_timeout`` (the first call starts the handshake)."""
         now = time.monotonic()
         if now - self._waiting[req_id] < self.config.kv_hold_timeout / 3:
             return
@@ -403,8 +394,7 @@ class SchedulerSide:
         self._runtime().kv_ready(transfer_id, [blocks], final=False)
 
     def abandon(self, req_id: str, params: TransferParams) -> None:
-        """The prefill request ended without its KV (aborted): tell the decode
-        now, if it registered already, rather than at its deadline."""
+        """The prefill request ended without its KV: tell a registered decode now."""
         self.breakdown.write(req_id, outcome="aborted")
         self._runtime().abort(params.transfer_id)
 
@@ -418,8 +408,7 @@ class SchedulerSide:
             self._sync.runtime.abort(transfer_id)
 
     def expecting(self) -> bool:
-        """Whether a transfer is open: a peer may move bytes to or from the
-        workers, so their data planes must poll."""
+        """Whether a transfer is open (the workers' data planes must poll)."""
         with self._lock:
             return bool(self._by_key)
 
@@ -454,10 +443,9 @@ class SchedulerSide:
         return any(tr.state == "loading" for tr in self._by_key.values())
 
     def _idle_wait(self, sync: SyncRuntime[Any]) -> list[Event]:
-        """Wait up to ``idle_wait`` for an event or a transfer for the workers:
-        vLLM's empty steps while a request waits for remote KV cost the decode
-        a core (docs/performance.md, "A waiting decode"). A worker's ring ends
-        it at once, an event or a transfer to ship within ``_SLICE``."""
+        """Wait up to ``idle_wait``, as vLLM's empty steps while a load waits cost
+        the decode a core (docs/performance.md): a worker's ring ends it at
+        once, an event or a transfer to ship within ``_SLICE``."""
         assert self._doorbell is not None  # _should_wait
         deadline = time.monotonic() + self.config.idle_wait
         while (left := deadline - time.monotonic()) > 0 and not self.bridge.has_actions():
@@ -468,9 +456,8 @@ class SchedulerSide:
         return []
 
     def results(self, results: list[Result]) -> Reports:
-        """The workers' results, fed to the core now; returns what vLLM can
-        hear in this very step, taken out of the next step's reports: vLLM
-        calls ``update_connector_output`` before it reads the step's
+        """The workers' results, fed to the core now; returns what vLLM hears in
+        this very step, as it calls ``update_connector_output`` before reading
         ``finished_recving`` and ``finished_sending``. A failed load stays on
         the workers' path: vLLM reads load errors before this call."""
         if self._sync is None:  # not started: no transfer was ever shipped
@@ -497,8 +484,7 @@ class SchedulerSide:
         return self._running()[0].runtime
 
     def _route(self, params: TransferParams) -> SyncRuntime[Any]:
-        """Make sure the channel dials ``params.peer`` at its address (a hop
-        onto the loop only for a new prefill or address)."""
+        """Make sure the channel dials ``params.peer`` (a hop onto the loop if new)."""
         sync, channel = self._running()
         address = params.peer_address()
         if self._routes.get(params.peer) != address:
@@ -590,9 +576,8 @@ def registration(prefill: bool, http: str, control: str) -> dict[str, str]:
 
 
 class Registrar:
-    """Sends :func:`registration` to the router every :data:`PERIOD` on its own
-    thread until :meth:`close`; a router that is down or restarts is reached
-    when it comes back (ZMQ reconnects and queues)."""
+    """Sends ``message`` every ``period`` on its own thread until :meth:`close`
+    (a router down or restarting is reached when back: ZMQ reconnects)."""
 
     def __init__(self, router: str, message: dict[str, str], period: float = PERIOD) -> None:
         import zmq  # pyzmq: only an instance that registers needs it

@@ -1,13 +1,8 @@
-"""kvpush's numbers through vLLM's connector stats and Prometheus hooks.
-
-Each worker reports what its data plane did since the last step, the
-scheduler side what its core holds and how long phases took (vLLM merges
-both). vLLM aggregates them (:meth:`KvpushStats.aggregate`: counters add up,
-a gauge keeps its latest value, phase durations gather), logs the interval
-(:meth:`KvpushStats.reduce`) and feeds :class:`KvpushPromMetrics`. Keys: a
-counter by its name (:data:`COUNTERS`), a gauge as ``g:<kind>``
-(:data:`GAUGES`), a phase's durations as ``h:<phase>`` (:data:`PHASES`), legs
-refused as ``r:<reason>`` (``_contract.REFUSALS``; :data:`REFUSED`).
+"""kvpush's numbers through vLLM's connector stats and Prometheus hooks
+(docs/vllm.md, "Metrics"). Keys: a counter by its name (:data:`COUNTERS`),
+a gauge as ``g:<kind>`` (:data:`GAUGES`: the latest value wins), a phase's
+durations as ``h:<phase>`` (:data:`PHASES`), legs refused as ``r:<reason>``
+(``_contract.REFUSALS``; :data:`REFUSED`).
 """
 
 from __future__ import annotations

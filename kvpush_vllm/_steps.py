@@ -1,12 +1,10 @@
 """What each engine step costs in the connector: vLLM's calls, timed.
 
 With ``step_profile_file`` set, every call vLLM makes into a connector instance
-is timed, and one JSON line per step cycle (from ``build_connector_meta`` or
-``bind_connector_metadata`` to the next) is appended to the file, on
-``time.monotonic()`` (one clock for every process of a host), with a
-``"threads"`` line per write (the OS ids of kvpush's threads). Off, nothing is
-wrapped. ``benchmarks/vllm_peer.py`` reads them (docs/performance.md, "The
-connector's cost per step").
+is timed and one JSON line per step cycle is appended to the file, on
+``time.monotonic()``, with a ``"threads"`` line per write (the OS ids of
+kvpush's threads). Off, nothing is wrapped. ``benchmarks/vllm_peer.py`` reads
+them (docs/performance.md, "The connector's cost per step").
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ class StepClock:
         self._flushed = time.monotonic()
 
     def wrap(self, target: object, names: tuple[str, ...], boundary: str) -> None:
-        """Replace each method ``names`` of ``target`` with a timed one;
-        ``boundary`` begins a new step."""
+        """Time each method ``names`` of ``target``; ``boundary`` begins a step."""
         for name in names:
             setattr(target, name, self._timed(getattr(target, name), name, name == boundary))
 

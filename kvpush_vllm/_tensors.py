@@ -1,15 +1,11 @@
 """vLLM's per-layer KV tensors as a kvpush :class:`~kvpush.protocol.KVLayout`.
 
-:func:`layout_from_tensors` reads each tensor ``register_kv_caches`` hands the
-worker from its sizes and strides, never a backend's name, and describes it
-byte for byte; what it cannot prove it refuses with a :class:`ConfigError`
-naming ``kv_layout`` and giving the shape and strides. The families (packed,
-split, the CPU tile) are in docs/layouts.md, "The layout description", and
-docs/vllm.md, "Supported and refused". The platform, not the shape, tells the
-CPU tile from the packed ``LBHNC`` view: the tile has ``2 * block_size`` rows
-a block (:func:`token_scale`, by which prefix lengths given to the core are
-scaled too), exact only between tiles of one size and format
-(``_proven.handshake_fingerprint``).
+:func:`layout_from_tensors` reads each tensor from its sizes and strides,
+never a backend's name, and describes it byte for byte, or refuses it with a
+:class:`ConfigError` naming ``kv_layout`` (the families: docs/layouts.md, "The
+layout description"; docs/vllm.md, "Supported and refused"). The platform,
+not the shape, tells the CPU tile (``2 * block_size`` rows a block:
+:func:`token_scale`) from the packed ``LBHNC`` view.
 """
 
 from __future__ import annotations
@@ -50,7 +46,7 @@ def layer_index(name: str) -> int:
 def layout_from_tensors(
     kv_caches: Mapping[str, TensorLike],
     *,
-    block_size: int,
+    tokens_per_block: int,
     num_kv_heads: int,
     head_size: int,
     head_start: int = 0,
@@ -62,25 +58,31 @@ def layout_from_tensors(
         raise ConfigError("no KV cache tensors to register")
     regions: list[Region] = []
     for name in sorted(kv_caches, key=layer_index):
-        cell = _Cell(name, kv_caches[name], block_size, num_kv_heads, head_size, head_start)
+        cell = _Cell(name, kv_caches[name], tokens_per_block, num_kv_heads, head_size, head_start)
         regions += _regions(cell, platform)
     return KVLayout(tuple(regions))
 
 
-def token_scale(layout: KVLayout, block_size: int) -> int:
+def token_scale(layout: KVLayout, tokens_per_block: int) -> int:
     """Rows per real token in ``layout``'s blocks (2 for the CPU tile, else 1)."""
-    return layout.regions[0].tokens_per_block // block_size
+    return layout.regions[0].tokens_per_block // tokens_per_block
 
 
 class _Cell:
     """One tensor and what its blocks should hold, for the readers below."""
 
     def __init__(
-        self, name: str, t: TensorLike, block_size: int, heads: int, head_size: int, start: int
+        self,
+        name: str,
+        t: TensorLike,
+        tokens_per_block: int,
+        heads: int,
+        head_size: int,
+        start: int,
     ) -> None:
         self.name, self.t = name, t
-        self.block_size, self.heads, self.head_size, self.head_start = (
-            block_size, heads, head_size, start,
+        self.tokens_per_block, self.heads, self.head_size, self.head_start = (
+            tokens_per_block, heads, head_size, start,
         )  # fmt: skip
         self.shape, self.strides, self.elem = list(t.shape), list(t.stride()), t.element_size()
         self.where = f"KV cache {name!r} (shape {tuple(self.shape)}, strides {tuple(self.strides)})"
@@ -121,7 +123,7 @@ def _regions(c: _Cell, platform: str) -> list[Region]:
 
 def _tile(c: _Cell) -> list[Region]:
     """The CPU backend's K-then-V tile (module docs)."""
-    heads, bs, hs = c.heads, c.block_size, c.head_size
+    heads, bs, hs = c.heads, c.tokens_per_block, c.head_size
     row = 2 * hs
     if c.shape[1:] != [heads, bs, row] or c.strides[1:] != [bs * row, row, 1]:
         raise c.refuse(
@@ -158,13 +160,15 @@ def _packed(c: _Cell) -> list[Region]:
         )
     dense = tokens * heads * row
     ratio, stride = 1, s_blk
-    if tokens != c.block_size:
-        if c.block_size % tokens or blocks % (c.block_size // tokens):
-            raise c.refuse(f"{tokens}-token blocks do not divide the block size {c.block_size}")
-        ratio = c.block_size // tokens
+    if tokens != c.tokens_per_block:
+        if c.tokens_per_block % tokens or blocks % (c.tokens_per_block // tokens):
+            raise c.refuse(
+                f"{tokens}-token blocks do not divide the block size {c.tokens_per_block}"
+            )
+        ratio = c.tokens_per_block // tokens
         if order is HeadOrder.HND or s_blk != dense:
             raise c.refuse(
-                f"kernel blocks of {tokens} tokens in {c.block_size}-token blocks are only "
+                f"kernel blocks of {tokens} tokens in {c.tokens_per_block}-token blocks are only "
                 "one block when token-major and dense (LBNHC); use LBNHC or a block size "
                 "the attention kernel takes whole"
             )
@@ -172,7 +176,7 @@ def _packed(c: _Cell) -> list[Region]:
     return [
         c.region(
             "KV", c.t.data_ptr(), blocks // ratio, stride,
-            block_len=dense * ratio * c.elem, tokens_per_block=c.block_size,
+            block_len=dense * ratio * c.elem, tokens_per_block=c.tokens_per_block,
             head_bytes=row * c.elem, order=order,
         )
     ]  # fmt: skip
@@ -181,7 +185,7 @@ def _packed(c: _Cell) -> list[Region]:
 def _split(c: _Cell) -> list[Region]:
     """``(2, blocks, ...)`` or ``(blocks, 2, ...)`` with NHD or HND blocks."""
     shape, strides = c.shape, c.strides
-    bs, heads, hs = c.block_size, c.heads, c.head_size
+    bs, heads, hs = c.tokens_per_block, c.heads, c.head_size
     # Assign roles to dimensions by size; the first assignment whose strides
     # describe contiguous NHD or HND cells wins (equal sizes are tried both ways).
     for kv, blk, tok, hd, ch in itertools.permutations(range(5)):

@@ -1,11 +1,9 @@
-"""The connector's worker side: one TP rank's NIXL agent and data plane.
+"""The connector's worker side: one TP rank's NIXL agent and data plane, on its
+own thread (never on vLLM's forward path).
 
-:class:`WorkerSide` registers the rank's KV tensors with one
-:class:`~kvpush_nixl.NixlTransport` and runs a single-rank
-:class:`~kvpush.runtime.DataPlane` on its own thread (never on vLLM's forward
-path). Every worker gets every action and posts those whose route it serves
-(a producer rank the writes of its ``Source``, a consumer rank the reads of
-its ``consumer_rank``). The GPU ordering rule (docs/runtime.md): vLLM calls
+Every worker gets every action and posts those whose route it serves (a
+producer rank the writes of its ``Source``, a consumer rank the reads of its
+``consumer_rank``). The GPU ordering rule (docs/runtime.md): vLLM calls
 ``wait_for_save`` when the step's forward is *queued*, so writes wait for a
 CUDA event recorded there, on the data-plane thread, never in a synchronize.
 """
@@ -51,9 +49,7 @@ class WorkerSide:
         #: The event recorded after the latest forward (CUDA only): writes wait for it.
         self._fence: Fence | None = None
         self.blob: bytes | None = None
-        self._reported = dict.fromkeys(
-            ("posted", "failed", "bytes", "notices", "staged", "scattered"), 0
-        )
+        self._reported: dict[str, int] = {}
         self._notices = 0
         self._bell = Bell()
 
@@ -61,17 +57,13 @@ class WorkerSide:
         self, layout: KVLayout, copier: Copier | None = None, costs: CostModel | None = None
     ) -> bytes:
         """Register this rank's KV and start the data plane; returns the rank's
-        description for the handshake (transport metadata and layout).
-        ``copier``: the staged transfers' copier for the KV's memory (with a
-        staging pool in ``layout``); ``costs``: a fixed cost model (None: the
-        data plane measures its copier)."""
+        description for the handshake. ``copier``: staged transfers' copier
+        (with a staging pool in ``layout``); ``costs``: None to measure it."""
         if self._dataplane is not None:
             raise RuntimeError("register() was already called")
-        # The data plane shares this process, and the GIL, with the engine's
-        # forward: with no transfer open it polls nothing; with one open (bytes
-        # may arrive) every 0.5 ms; for 2 ms after a command or result every
-        # 50 us (a transfer's next notice is usually close behind); every
-        # 20 us while an op of its own is posted.
+        # The data plane shares the GIL with the engine's forward: it polls
+        # only with a transfer open, every 0.5 ms (faster for 2 ms after a
+        # command or result: a transfer's next notice is usually close behind).
         dp = DataPlane(
             self.role,
             {self.rank: Rank(self._transport, layout)},
@@ -98,11 +90,8 @@ class WorkerSide:
         doorbell: tuple[str, int] | None = None,
         staging: Staged | None = None,
     ) -> None:
-        """Apply one step's metadata: new peers first, the decode's staging
-        records, then our actions; ``expecting``: a transfer is open (the data
-        plane polls only then); ``doorbell``: where to ring when results come
-        (``_bridge.Doorbell``). Runs before the step's forward: a record dropped
-        here is gone before the forward may reuse its blocks."""
+        """Apply one step's ``KvpushMetadata`` before its forward (a record
+        dropped here is gone before the forward may reuse its blocks)."""
         self._bell.aim(doorbell)
         dp = self._dataplane
         if dp is None:
@@ -126,9 +115,8 @@ class WorkerSide:
                 dp.submit(action, self._fence if isinstance(action, StartWrite) else None)
 
     def computed(self, progress: Sequence[tuple[str, int]]) -> None:
-        """The step's forward is queued (``wait_for_save``): it writes the KV of
-        ``progress`` (req id, tokens; may be empty). On a GPU its kernels may
-        still run: record the fence later writes wait for (module docs)."""
+        """The step's forward, writing the KV of ``progress``, is queued: on a
+        GPU record the fence later writes wait for (module docs)."""
         if self._dataplane is None:
             return
         if self._cuda:
@@ -182,7 +170,7 @@ class WorkerSide:
                 "staged": dp.stager.staged_writes,
                 "scattered": dp.stager.scatters,
             }
-            delta = {k: v - self._reported[k] for k, v in now.items()}
+            delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
             self._reported = now
         return {k: v for k, v in delta.items() if v}
 

@@ -72,16 +72,13 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
     peers: list[PeerRanks] = field(default_factory=list)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
-    #: req id -> block ids that failed to load (those req ids are also in
-    #: ``finished_recving``).
+    #: req id -> block ids that failed to load (also in ``finished_recving``).
     load_failures: dict[str, list[int]] = field(default_factory=dict)
-    #: Progressive push: (req id, tokens computed once this step's forward is
-    #: done), echoed by every worker after its ``wait_for_save``.
+    #: Progressive push: (req id, tokens once this step's forward is done).
     progress: list[tuple[str, int]] = field(default_factory=list)
     #: Requests vLLM scheduled in this step (for ``step_profile_file``).
     scheduled: int = 0
-    #: A transfer of this instance is open: a peer may move bytes to or from
-    #: the workers' KV (their data planes poll only then: ``DataPlane.expect``).
+    #: A transfer is open: the workers' data planes poll only then.
     expecting: bool = False
     #: Decode: the scheduler side's doorbell, rung by a worker with results.
     doorbell: tuple[str, int] | None = None
@@ -125,7 +122,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._config = cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
         parallel, model = vllm_config.parallel_config, vllm_config.model_config
         self._tp = parallel.tensor_parallel_size
-        self._block_size = vllm_config.cache_config.block_size
+        self._tokens_per_block = vllm_config.cache_config.block_size
         self._total_heads = model.get_total_num_kv_heads()
         self._heads = model.get_num_kv_heads(parallel)
         self._head_size = model.get_head_size()
@@ -139,7 +136,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._sched: SchedulerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
-                self._kv_role, cfg, self._tp, self._total_heads, self._block_size
+                self._kv_role, cfg, self._tp, self._total_heads, self._tokens_per_block
             )
         self._worker: WorkerSide | None = None
         self._local_hits: dict[str, int] = {}
@@ -147,7 +144,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         #: req id -> its leg, parsed once (the prefill mints transfer ids).
         self._legs: dict[str, TransferParams | None] = {}
         #: Prefill, progressive push: each chunk's blocks go as an increment.
-        self._progress = Progress(self._block_size, self._tp) if progressive else None
+        self._progress = Progress(self._tokens_per_block, self._tp) if progressive else None
         #: Prefill requests whose transfer was abandoned mid-stream (preempted).
         self._abandoned: set[str] = set()
         #: ``step_profile_file``: vLLM's calls into this instance, timed per step.
@@ -178,10 +175,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==================== scheduler side ====================
 
     def _params(self, request: Any) -> TransferParams | None:
-        """The request's leg in any shape of docs/contract.md, parsed once;
-        a leg that breaks the contract is refused (``SchedulerSide.refused``)
-        and treated as none: the request is served as a plain one. A release
-        (prefill) releases its transfer's KV now and is a plain request too."""
+        """The request's leg, parsed once; a refused leg and a release (acted
+        on now) leave a plain request (docs/contract.md)."""
         assert self._sched is not None  # the scheduler side parses legs
         req_id = request.request_id
         if req_id in self._legs:
@@ -236,7 +231,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         skip = self._local_hits.pop(request.request_id, 0)
         ids = list(blocks.get_block_ids()[0])
-        bs = self._block_size
+        bs = self._tokens_per_block
         first, end = skip // bs, -(-(skip + num_external_tokens) // bs)
         self._sched.reserve(request.request_id, params, ids[first:end], skip)
 
@@ -344,16 +339,14 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         from kvpush_nixl import NixlTransport
 
-        # One process without model-parallel groups (tests, a single-rank
-        # engine) is rank 0.
-        rank = 0
+        rank = 0  # one process without model-parallel groups (tests, one rank)
         if parallel_state.model_parallel_is_initialized():
             rank = parallel_state.get_tensor_model_parallel_rank()
         total = self._total_heads  # replicated when TP > heads
         head_start = rank * total // self._tp if self._tp >= total else rank * self._heads
         layout = layout_from_tensors(
             kv_caches,
-            block_size=self._block_size,
+            tokens_per_block=self._tokens_per_block,
             num_kv_heads=self._heads,
             head_size=self._head_size,
             head_start=head_start,
@@ -378,8 +371,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _staging(
         self, kv_caches: dict[str, torch.Tensor], layout: KVLayout
     ) -> tuple[KVLayout, TorchCopier | None]:
-        """``staging_mib``: a pool on the KV's device, in the layout (so in the
-        handshake), and the device copier over it and the KV caches."""
+        """``staging_mib``: a pool on the KV's device, in the layout, and the copier."""
         import torch
 
         mib = self._config.staging_mib
@@ -421,8 +413,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         """The step's forward is queued: on a GPU the worker records the event
-        its writes wait for; progressive push reports the chunks it computed
-        (``_progressive.py``)."""
+        its writes wait for; progressive push reports the chunks it computed."""
         meta = self._bound()
         if self._worker is not None and meta is not None:
             self._worker.computed(meta.progress)
@@ -444,8 +435,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return {b for blocks in meta.load_failures.values() for b in blocks}
 
     def get_kv_connector_stats(self) -> Any:
-        """Worker side: its data plane's counts. Scheduler side (vLLM merges
-        both): the core's block gauges and phase durations."""
+        """A worker's data plane counts, or the scheduler side's (vLLM merges them)."""
         side = self._worker or self._sched
         stats = {} if side is None else side.stats()
         return KvpushStats(data=stats) if stats else None

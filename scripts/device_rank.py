@@ -117,7 +117,7 @@ class _Rank:
         # vLLM's GPU layout, wherever it lives: "cuda" reads it as packed [k | v] rows.
         layout = layout_from_tensors(
             caches,
-            block_size=s.block_size,
+            tokens_per_block=s.block_size,
             num_kv_heads=s.heads,
             head_size=spec.head_size,
             head_start=s.head_start,

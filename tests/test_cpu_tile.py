@@ -93,7 +93,7 @@ class Side:
             for i, t in enumerate(self.tiles)
         }
         self.layout = layout_from_tensors(
-            self.fakes, block_size=bs, num_kv_heads=HEADS, head_size=hs, platform="cpu"
+            self.fakes, tokens_per_block=bs, num_kv_heads=HEADS, head_size=hs, platform="cpu"
         )
         self.facts = _facts(bs, hs, isa)
 

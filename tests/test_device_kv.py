@@ -69,7 +69,7 @@ def test_kvpush_reads_the_views_as_packed_rows(layout: str, order: HeadOrder) ->
     shape = kv.CacheShape(layers=3, num_blocks=5, heads=2, block_size=32, head_size=128)
     caches = kv.allocate_packed(shape, torch.bfloat16, layout, "cpu")
     layout_ = layout_from_tensors(
-        caches, block_size=32, num_kv_heads=2, head_size=128, head_start=2, platform="cuda"
+        caches, tokens_per_block=32, num_kv_heads=2, head_size=128, head_start=2, platform="cuda"
     )
     page = 2 * 32 * 2 * 128 * 2
     base = caches["model.layers.0.self_attn.attn"].data_ptr()

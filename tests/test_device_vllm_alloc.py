@@ -108,7 +108,7 @@ def described(views: dict[str, torch.Tensor]) -> list[tuple[Any, ...]]:
     start = first.untyped_storage().data_ptr()
     heads, block_size, row = first.shape[1:]
     regions = layout_from_tensors(
-        views, block_size=block_size, num_kv_heads=heads, head_size=row // 2, platform="cuda"
+        views, tokens_per_block=block_size, num_kv_heads=heads, head_size=row // 2, platform="cuda"
     ).regions
     return [
         (r.layer, r.kind, r.base - start, r.num_blocks, r.block_stride, r.block_len, r.order)

@@ -91,7 +91,9 @@ def test_an_agent_is_a_name() -> None:
     found = [hit for path, source in _sources() for hit in agents_not_named(path, source)]
     assert found == []
     planted = (
-        "class T:\n    def __init__(self, agent: NixlAgent) -> None:\n        self._agent: Any = 1\n"
+        "class T:\n"
+        "    def __init__(self, agent: NixlAgent) -> None:\n"
+        "        self._agent: Any = 1\n"
     )
     assert len(agents_not_named("kvpush_nixl/_x.py", planted)) == 2
     assert agents_not_named("kvpush_nixl/_x.py", "def f(agent: str) -> None: ...\n") == []

@@ -43,7 +43,7 @@ def step_one(p: Progress) -> list[tuple[str, int]]:
 
 
 def test_a_chunk_is_an_increment_once_every_rank_wrote_it() -> None:
-    p = Progress(block_size=32, tp=2)
+    p = Progress(tokens_per_block=32, tp=2)
     p.track("r", "t", prompt_tokens=300)
     assert step_one(p) == [("r", 128)]
     assert p.computed([(0, "r", 128)]) == []  # rank 1 has not reported
@@ -56,19 +56,19 @@ def test_a_chunk_is_an_increment_once_every_rank_wrote_it() -> None:
 
 
 def test_the_last_chunk_is_left_to_request_finished() -> None:
-    p = Progress(block_size=32, tp=1)
+    p = Progress(tokens_per_block=32, tp=1)
     p.track("r", "t", prompt_tokens=128)
     assert step_one(p) == []  # 128 of 128: the whole prompt, not an increment
 
 
 def test_untracked_requests_and_stale_reports_are_ignored() -> None:
-    p = Progress(block_size=32, tp=1)
+    p = Progress(tokens_per_block=32, tp=1)
     assert step_one(p) == []
     assert p.computed([(0, "r", 128)]) == []
 
 
 def test_a_prefill_preempted_after_an_increment_must_abandon_its_transfer() -> None:
-    p = Progress(block_size=32, tp=1)
+    p = Progress(tokens_per_block=32, tp=1)
     p.track("r", "t", prompt_tokens=300)
     step_one(p)
     assert p.preempted("r") is None  # nothing reached the core yet: just stop

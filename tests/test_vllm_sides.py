@@ -105,7 +105,7 @@ def test_config_parses_and_refuses_typos() -> None:
 def test_layout_is_read_from_sizes_and_strides(order: str) -> None:
     tensors = kv_tensors(order)
     layout = layout_from_tensors(
-        tensors, block_size=BS, num_kv_heads=HEADS, head_size=HEAD, platform="cuda"
+        tensors, tokens_per_block=BS, num_kv_heads=HEADS, head_size=HEAD, platform="cuda"
     )
     assert [(r.layer, r.kind) for r in layout.regions] == [(0, "K"), (0, "V"), (1, "K"), (1, "V")]
     t = tensors["model.layers.0.self_attn.attn"]
@@ -118,7 +118,9 @@ def test_layout_is_read_from_sizes_and_strides(order: str) -> None:
         "model.layers.0.attn": FakeTensor(np.zeros((2, BLOCKS, BS, HEADS, HEAD))[:, :, ::1, :, :32])
     }
     with pytest.raises(ConfigError, match="no dimension order"):
-        layout_from_tensors(odd, block_size=BS, num_kv_heads=HEADS, head_size=32, platform="cuda")
+        layout_from_tensors(
+            odd, tokens_per_block=BS, num_kv_heads=HEADS, head_size=32, platform="cuda"
+        )
 
 
 def free_port() -> int:
@@ -151,7 +153,7 @@ class Instance:
         for r in range(tp):
             layout = layout_from_tensors(
                 self.tensors[r],
-                block_size=BS,
+                tokens_per_block=BS,
                 num_kv_heads=heads,
                 head_size=HEAD,
                 head_start=r * heads,
@@ -385,7 +387,7 @@ def test_the_cpu_backends_k_then_v_tiles_are_one_region_of_virtual_tokens() -> N
     Only the platform tells it from vLLM 0.33's packed GPU view of the same shape."""
     arr = np.zeros((BLOCKS, HEADS, BS, 2 * HEAD), dtype=np.float32)
     tensors = {"model.layers.0.attn": FakeTensor(arr)}
-    shape = {"block_size": BS, "num_kv_heads": HEADS, "head_size": HEAD}
+    shape = {"tokens_per_block": BS, "num_kv_heads": HEADS, "head_size": HEAD}
     (packed,) = layout_from_tensors(tensors, **shape, platform="cuda").regions
     assert (packed.kind, packed.order, packed.tokens_per_block, packed.head_bytes) == (
         "KV", HeadOrder.HND, BS, 2 * HEAD * 4,
@@ -403,7 +405,7 @@ def test_the_cpu_backends_k_then_v_tiles_are_one_region_of_virtual_tokens() -> N
     with pytest.raises(ConfigError, match=r"refuses kv_layout: .* CPU backend's cache must be"):
         layout_from_tensors(
             {"model.layers.0.attn": FakeTensor(arr.transpose(0, 2, 1, 3))},
-            block_size=HEADS,
+            tokens_per_block=HEADS,
             num_kv_heads=BS,
             head_size=HEAD,
             platform="cpu",

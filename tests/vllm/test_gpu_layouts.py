@@ -167,7 +167,7 @@ def startup(e: Engine, caches: list[dict[str, torch.Tensor]]) -> list[KVLayout]:
     layouts = []
     for rank, views in enumerate(caches):
         layout = layout_from_tensors(
-            views, block_size=e.block_size, num_kv_heads=e.per_rank,
+            views, tokens_per_block=e.block_size, num_kv_heads=e.per_rank,
             head_size=e.head_size, head_start=e.head_start(rank), platform="cuda",
         )  # fmt: skip
         check_proven("cuda", {"kv_layout": kind_of(layout)}, (), f"rank {rank}")
@@ -491,4 +491,6 @@ def test_an_mla_latent_cache_is_refused_by_name(vllm_config: VllmConfig) -> None
     views = allocate_kv_cache(plan, torch.device("cpu"), KVCacheLayout.LBHNC)
     assert next(iter(views.values())).shape == (4, 1, 16, 576)
     with pytest.raises(ConfigError, match=r"refuses kv_layout: .*MLA latent cache \(use_mla\)"):
-        layout_from_tensors(views, block_size=16, num_kv_heads=1, head_size=576, platform="cuda")
+        layout_from_tensors(
+            views, tokens_per_block=16, num_kv_heads=1, head_size=576, platform="cuda"
+        )
