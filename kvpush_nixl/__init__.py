@@ -1,12 +1,7 @@
-"""NIXL transport for kvpush: :class:`NixlTransport`, one NIXL agent per rank.
-
-Importing this package never imports NIXL; building a :class:`NixlTransport`
-does, and says how to install it if it is missing (CPU hosts:
-``pip install --no-deps nixl nixl-cu12``; GPU hosts: ``pip install 'kvpush[nixl]'``).
-It registers itself as ``nixl`` in the runtime's ``kvpush.transports``
-registry (:data:`TRANSPORT`), which is how ``kvpush`` reaches it without
-importing it. See ``docs/operations.md`` and ``docs/architecture.md``.
-"""
+"""NIXL transport for kvpush: :class:`NixlTransport`, one NIXL agent per rank,
+registered as ``nixl`` in ``kvpush.transports``. Importing this package never
+imports NIXL; building a transport does, and says how to install it if it is
+missing. docs/operations.md."""
 
 from __future__ import annotations
 

@@ -18,14 +18,14 @@ from typing import Literal
 
 import numpy as np
 
-from kvpush.protocol import ConfigError, KVLayout
+from kvpush.protocol import ConfigError, KVLayout, build_options
 from kvpush.runtime import Completed, Descriptors, Indices, Notice, PreppedTransport, TransportError
 
 from ._agent import Handle, NixlAgent
 from ._books import Notices, Transfers
 from ._memory import MemoryMap, check_rows, explained, layout_spans
 from ._meta import decode_metadata, encode_metadata, new_instance, nixl_name
-from ._options import PrepRule, validate_options
+from ._options import NixlOptions, PrepRule
 from ._prepped import Prepped, check_indices, explain_indices, prepare
 from ._ucx import apply_vram_defaults
 
@@ -68,9 +68,10 @@ class NixlTransport:
         prep_rule: PrepRule | None = None,
         vram: bool = False,
     ) -> None:
-        params = validate_options(
-            agent, backends, backend_params, progress_thread, sync_mode, close_timeout
-        )
+        raw: dict[str, object] = {"agent": agent, "backends": backends, "sync_mode": sync_mode}
+        raw.update(backend_params=backend_params, progress_thread=progress_thread)
+        raw["close_timeout"] = close_timeout
+        params = build_options(NixlOptions, raw, what="NixlTransport").params()
         if vram:  # before the agent: UCX reads its environment when the backend starts
             apply_vram_defaults()
         if prep_rule is not None and not isinstance(prep_rule, PrepRule):

@@ -89,7 +89,6 @@ class WorkerBridge:
             self._on_results([OpResult(action, "the connector stopped")])
 
     def cancel(self, cancel: Cancel) -> None:
-        """Ship the core's cancel with the next step to the worker that posted the op."""
         with self._lock:
             if not self._stopped:
                 self._out.actions.append(cancel)
@@ -99,7 +98,6 @@ class WorkerBridge:
             self._out.peers.append(peer)
 
     def stage_need(self, blocks: list[list[int]]) -> int:
-        """Bytes a reservation of ``blocks`` needs on the largest rank (0: no pools)."""
         return max((stage_bytes(lay, blocks) for lay in self.staging_layouts), default=0)
 
     def stage(
@@ -122,13 +120,11 @@ class WorkerBridge:
     # --- vLLM's side -------------------------------------------------------------
 
     def take(self) -> Outbound:
-        """Everything for the workers since the last call (scheduler thread)."""
         with self._lock:
             out, self._out = self._out, Outbound()
         return out
 
     def has_actions(self) -> bool:
-        """Whether a transfer or a staging record waits to be shipped."""
         with self._lock:
             out = self._out
             return bool(out.actions or out.staging.records or out.staging.dropped)

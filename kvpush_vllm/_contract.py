@@ -195,8 +195,7 @@ class Contract:
     def _declinable(
         self, leg: TransferParams, raw: Mapping[str, Any], serves: LegRole
     ) -> TransferParams | None:
-        """``leg``, if a decode refusing it (not for trust) may tell its
-        prefill: a decode leg at a decode, whose peer it trusts."""
+        """``leg`` if it is a trusted decode leg at a decode (its prefill is told)."""
         ok = leg.role == serves == "decode" and self._distrust(leg, raw) is None
         return leg if ok else None
 
@@ -261,8 +260,7 @@ class Contract:
         )
 
     def _distrust(self, leg: TransferParams, raw: Mapping[str, Any]) -> str | None:
-        """Why a decode cannot trust ``leg``'s peer (``None``: it is sealed,
-        or its peer allowed)."""
+        """Why a decode cannot trust ``leg``'s peer (``None``: it can)."""
         if self.allows(leg.peer):
             return None
         if leg.shape == "kvpush" and self.secret is not None:
@@ -275,7 +273,6 @@ class Contract:
         return f"a {leg.shape} leg carries no seal"
 
     def allows(self, peer: str) -> bool:
-        """``peer`` (``host:port``) is in ``allowed_peers``, by address or host."""
         host = parse_host_port(peer)[0]
         return peer in self.allowed_peers or host in self.allowed_peers
 

@@ -2,16 +2,12 @@
 
 A :class:`SchedulerSide` runs in vLLM's engine-core process and owns the
 instance's control channel and protocol endpoint, pumped on a background loop
-(:class:`~kvpush.runtime.SyncRuntime`); the data plane is the workers'
-(:class:`WorkerBridge`). It only translates requests into the core's inputs
-and events into what vLLM hears (docs/vllm.md, "What happens to a request"):
-a decode's ``Failed`` only at ``Released``, as no late write can land in the
-blocks after. vLLM's scheduler thread runs the core under the runtime's lock
-and never waits for its loop, but for the first leg to a new prefill.
-
-:class:`Registrar` registers with vllm-router's ZMQ discovery (docs/contract.md,
-"Running behind vllm-router"), giving the control address as ``zmq_address``:
-the router writes it into each request id, where the decode reads it.
+(:class:`~kvpush.runtime.SyncRuntime`). It translates requests into the core's
+inputs and events into what vLLM hears (docs/vllm.md, "What happens to a
+request"): a decode's ``Failed`` only at ``Released``, as no late write can land
+in the blocks after. vLLM's scheduler thread runs the core under the runtime's
+lock and never waits for its loop, but for the first leg to a new prefill.
+:class:`Registrar`: vllm-router's ZMQ discovery (docs/contract.md).
 """
 
 from __future__ import annotations
@@ -146,8 +142,7 @@ class SchedulerSide:
     def start(
         self, rank_blobs: Mapping[int, bytes], fingerprint: tuple[tuple[str, str], ...] = ()
     ) -> None:
-        """Build the endpoint once every worker rank described itself
-        (``fingerprint``: entries the peer's must equal, ``_proven.handshake_fingerprint``)."""
+        """Build the endpoint once every worker rank described itself."""
         if self._sync is not None:
             return
         if sorted(rank_blobs) != list(range(self.tp)):
@@ -197,18 +192,15 @@ class SchedulerSide:
             self._registrar = Registrar(router, message)
 
     def threads(self) -> dict[str, int]:
-        """kvpush's threads in this process: name -> OS thread id."""
         if self._sync is None or self._sync.runtime.native_id is None:
             return {}
         return {"runtime": self._sync.runtime.native_id}
 
     @property
     def round_trips(self) -> int:
-        """Calls so far that waited for the runtime's thread."""
         return 0 if self._sync is None else self._sync.round_trips
 
     def control_address(self) -> str:
-        """This instance's control channel, ``host:port`` (once started)."""
         return host_port(self.config.host, self.port)
 
     def stats(self) -> dict[str, Any]:
@@ -238,7 +230,6 @@ class SchedulerSide:
 
     @property
     def doorbell(self) -> tuple[str, int] | None:
-        """Where the workers ring when they have results (None: nowhere)."""
         return None if self._doorbell is None else self._doorbell.address
 
     def close(self) -> None:
@@ -272,8 +263,7 @@ class SchedulerSide:
         return max(0, prompt - computed)
 
     def refused(self, req_id: str, exc: ParamsError) -> None:
-        """A leg the contract refused: counted and logged by class; its prefill
-        is told to release the KV only for a trusted leg (``exc.leg``)."""
+        """Counted and logged by class; only a trusted leg's prefill is told."""
         with self._lock:
             self._counts[f"r:{exc.reason}"] += 1
             first = exc.reason not in self._refusals_logged
@@ -295,9 +285,7 @@ class SchedulerSide:
             self.decline(exc.leg)
 
     def decline(self, params: TransferParams) -> None:
-        """This decode will not load ``params``' transfer: tell its (trusted)
-        prefill to release the KV now, not at its ``kv_hold_timeout``; never
-        dialing it, only over a handshake already done."""
+        """Tell a trusted prefill to release the KV now, never dialing it."""
         sent = False
         if self._sync is not None and params.peer in self._routes:
             sent = self._sync.runtime.decline(params.transfer_id, params.peer)
@@ -307,8 +295,7 @@ class SchedulerSide:
         log.debug("kvpush: %s: prefill %s %s", params.transfer_id, params.peer, told)
 
     def _keep(self, req_id: str, params: TransferParams) -> None:
-        """While the request waits for blocks, ask its prefill to keep the KV
-        every third of ``kv_hold_timeout`` (the first call starts the handshake)."""
+        """Ask the prefill to keep the KV every third of ``kv_hold_timeout``."""
         now = time.monotonic()
         if now - self._waiting[req_id] < self.config.kv_hold_timeout / 3:
             return
@@ -318,8 +305,7 @@ class SchedulerSide:
     def reserve(
         self, req_id: str, params: TransferParams, blocks: list[int], skip_tokens: int
     ) -> None:
-        """Reserve ``blocks`` and register them with ``params.peer``; a refused
-        reservation fails the load now and tells the prefill (:meth:`decline`)."""
+        """Reserve ``blocks`` and register them with ``params.peer``."""
         self._waiting.pop(req_id, None)
         rt = self._route(params).runtime
         # Under the lock from the call to the bookkeeping: a step() on another
@@ -332,8 +318,7 @@ class SchedulerSide:
                 mode=params.mode,
                 skip_tokens=skip_tokens * self._scale,
             )
-            if isinstance(result, Refused):
-                # Nothing was registered, nothing can land: fail it now.
+            if isinstance(result, Refused):  # nothing registered, nothing can land
                 self._done.add(req_id)
                 self._reports.recving.add(req_id)
                 self._reports.failed[req_id] = list(blocks)
@@ -344,13 +329,11 @@ class SchedulerSide:
                 tr = _Transfer(req_id, list(blocks), "loading", staged=bool(result.stage))
                 self._by_key[key] = tr
                 self._key_of[req_id] = key
-        if isinstance(result, Refused):
-            # A leg we trust (it passed the contract) that we will not load.
+        if isinstance(result, Refused):  # a trusted leg we will not load
             self.decline(params)
 
     def preempted(self, req_id: str) -> None:
-        """vLLM preempted ``req_id``: withdraw a load in flight (the core drains
-        that epoch); a re-admission registers again under a newer epoch."""
+        """Withdraw a load in flight; a re-admission registers a newer epoch."""
         with self._lock:
             key = self._key_of.get(req_id)
             tr = self._by_key.get(key) if key is not None else None
@@ -390,7 +373,6 @@ class SchedulerSide:
         return True
 
     def kv_increment(self, transfer_id: str, blocks: list[int]) -> None:
-        """Progressive push: the whole blocks a prefill computed so far."""
         self._runtime().kv_ready(transfer_id, [blocks], final=False)
 
     def abandon(self, req_id: str, params: TransferParams) -> None:
@@ -399,8 +381,7 @@ class SchedulerSide:
         self._runtime().abort(params.transfer_id)
 
     def release(self, transfer_id: str) -> None:
-        """The router's release of ``transfer_id`` (docs/contract.md): its KV
-        now, held or yet to come (the core's abort leaves a tombstone)."""
+        """The router's release: held KV or yet to come (an abort's tombstone)."""
         with self._lock:
             self._counts["release_legs"] += 1
         log.debug("kvpush: release of %s from the router", transfer_id)
@@ -408,7 +389,6 @@ class SchedulerSide:
             self._sync.runtime.abort(transfer_id)
 
     def expecting(self) -> bool:
-        """Whether a transfer is open (the workers' data planes must poll)."""
         with self._lock:
             return bool(self._by_key)
 
@@ -419,8 +399,7 @@ class SchedulerSide:
     # --- every step ----------------------------------------------------------------
 
     def step(self, idle: bool = False) -> tuple[Outbound, Reports]:
-        """Drain protocol events (here and in :meth:`results` only); what goes
-        to the workers this step. ``idle``: vLLM scheduled nothing."""
+        """Drain protocol events; what goes to the workers this step."""
         with self._lock:
             self._steps += 1
             if self._sync is not None:
@@ -456,10 +435,9 @@ class SchedulerSide:
         return []
 
     def results(self, results: list[Result]) -> Reports:
-        """The workers' results, fed to the core now; returns what vLLM hears in
-        this very step, as it calls ``update_connector_output`` before reading
-        ``finished_recving`` and ``finished_sending``. A failed load stays on
-        the workers' path: vLLM reads load errors before this call."""
+        """Feed the workers' results; returns what vLLM hears in this very step
+        (it reads ``finished_*`` after ``update_connector_output``, but load
+        errors before it: a failed load stays on the workers' path)."""
         if self._sync is None:  # not started: no transfer was ever shipped
             return Reports()
         rt = self._sync.runtime
@@ -480,11 +458,9 @@ class SchedulerSide:
         return self._sync, self._channel
 
     def _runtime(self) -> Any:
-        """The running endpoint runtime (its role methods are thread-safe)."""
         return self._running()[0].runtime
 
     def _route(self, params: TransferParams) -> SyncRuntime[Any]:
-        """Make sure the channel dials ``params.peer`` (a hop onto the loop if new)."""
         sync, channel = self._running()
         address = params.peer_address()
         if self._routes.get(params.peer) != address:
@@ -547,7 +523,6 @@ class SchedulerSide:
         self.breakdown.write(tr.req_id, ev.timeline, outcome=f"{tr.state}: {tr.failure}")
 
     def _phase(self, *spans: tuple[str, float | None, float | None]) -> None:
-        """The phase durations vLLM's metrics show (``_stats.PHASES``)."""
         for phase, start, end in spans:
             if start is not None and end is not None and end >= start:
                 self._phases.append((phase, end - start))
@@ -565,8 +540,7 @@ PERIOD = 1.0
 
 
 def registration(prefill: bool, http: str, control: str) -> dict[str, str]:
-    """The map vllm-router 0.1.17 takes (its keys and values are exact: a
-    lower-case role or ``transfer_mode`` is dropped)."""
+    """The map vllm-router 0.1.17 takes (exact: lower-case values are dropped)."""
     return {
         "type": "P" if prefill else "D",
         "http_address": http,

@@ -56,9 +56,7 @@ class WorkerSide:
     def register(
         self, layout: KVLayout, copier: Copier | None = None, costs: CostModel | None = None
     ) -> bytes:
-        """Register this rank's KV and start the data plane; returns the rank's
-        description for the handshake. ``copier``: staged transfers' copier
-        (with a staging pool in ``layout``); ``costs``: None to measure it."""
+        """Register this rank's KV, start the data plane; returns the handshake blob."""
         if self._dataplane is not None:
             raise RuntimeError("register() was already called")
         # The data plane shares the GIL with the engine's forward: it polls
@@ -90,8 +88,7 @@ class WorkerSide:
         doorbell: tuple[str, int] | None = None,
         staging: Staged | None = None,
     ) -> None:
-        """Apply one step's ``KvpushMetadata`` before its forward (a record
-        dropped here is gone before the forward may reuse its blocks)."""
+        """Apply a step's metadata before its forward (which may reuse dropped blocks)."""
         self._bell.aim(doorbell)
         dp = self._dataplane
         if dp is None:
@@ -115,8 +112,7 @@ class WorkerSide:
                 dp.submit(action, self._fence if isinstance(action, StartWrite) else None)
 
     def computed(self, progress: Sequence[tuple[str, int]]) -> None:
-        """The step's forward, writing the KV of ``progress``, is queued: on a
-        GPU record the fence later writes wait for (module docs)."""
+        """The step's forward is queued: on a GPU record the fence writes wait for."""
         if self._dataplane is None:
             return
         if self._cuda:
@@ -130,7 +126,6 @@ class WorkerSide:
         return out
 
     def take_results(self) -> list[Result]:
-        """Results and notices since the last call (thread-safe)."""
         with self._lock:
             out, self._results = self._results, []
         return out
@@ -143,21 +138,18 @@ class WorkerSide:
         self._bell.close()
 
     def threads(self) -> dict[str, int]:
-        """kvpush's threads in this process: name -> OS thread id."""
         dp = self._dataplane
         if dp is None or dp.native_id is None:
             return {}
         return {"dataplane": dp.native_id}
 
     def _serves(self, action: StartWrite | StartRead | Cancel) -> bool:
-        """Whether this rank posts ``action`` (module docs)."""
         route = action if isinstance(action, Cancel) else action.route
         if self.role is Role.PRODUCER:
             return route.source.pp * self.tp + route.source.tp == self.rank
         return route.consumer_rank == self.rank
 
     def stats(self) -> dict[str, int]:
-        """Counts since the last call (posted, failed, bytes, notices)."""
         dp = self._dataplane
         if dp is None:
             return {}

@@ -1,13 +1,10 @@
 """``KvpushConnector``: vLLM's KV connector interface over kvpush
 (``kv_connector_module_path="kvpush_vllm.connector"``; docs/vllm.md).
 
-vLLM makes one instance per role: on the scheduler side (engine-core process)
-it wraps a :class:`~kvpush_vllm._scheduler.SchedulerSide`, the protocol
-endpoint and control channel; on each worker (TP rank) a
-:class:`~kvpush_vllm._worker.WorkerSide`, the rank's NIXL agent and data
-plane. They talk only through vLLM's channels: :class:`KvpushMetadata` down
+vLLM makes one instance per role: a :class:`~kvpush_vllm._scheduler.SchedulerSide`
+in the engine-core process, a :class:`~kvpush_vllm._worker.WorkerSide` per TP
+rank. They talk only through vLLM's channels: :class:`KvpushMetadata` down
 every step, :class:`KvpushWorkerMetadata` up, :class:`KvpushHandshake` once.
-This class only translates calls.
 """
 
 from __future__ import annotations
@@ -107,8 +104,6 @@ class KvpushHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 
 
 class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """See the module docs."""
-
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
@@ -175,8 +170,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ==================== scheduler side ====================
 
     def _params(self, request: Any) -> TransferParams | None:
-        """The request's leg, parsed once; a refused leg and a release (acted
-        on now) leave a plain request (docs/contract.md)."""
+        """The request's leg, parsed once; a refusal or a release leaves a plain request."""
         assert self._sched is not None  # the scheduler side parses legs
         req_id = request.request_id
         if req_id in self._legs:
@@ -268,7 +262,6 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return {} if self._worker is None else self._worker.threads()
 
     def _prefill_preempted(self, req_id: str) -> None:
-        """A progressive prefill lost its blocks: its increments are void."""
         transfer_id = None if self._progress is None else self._progress.preempted(req_id)
         leg = self._legs.get(req_id)
         if transfer_id is not None and leg is not None and self._sched is not None:
@@ -371,7 +364,6 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _staging(
         self, kv_caches: dict[str, torch.Tensor], layout: KVLayout
     ) -> tuple[KVLayout, TorchCopier | None]:
-        """``staging_mib``: a pool on the KV's device, in the layout, and the copier."""
         import torch
 
         mib = self._config.staging_mib
@@ -412,8 +404,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Nothing: the prefill's KV is sent whole once the request finished."""
 
     def wait_for_save(self) -> None:
-        """The step's forward is queued: on a GPU the worker records the event
-        its writes wait for; progressive push reports the chunks it computed."""
+        """The step's forward is queued: on a GPU writes wait for its event."""
         meta = self._bound()
         if self._worker is not None and meta is not None:
             self._worker.computed(meta.progress)
@@ -435,7 +426,6 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return {b for blocks in meta.load_failures.values() for b in blocks}
 
     def get_kv_connector_stats(self) -> Any:
-        """A worker's data plane counts, or the scheduler side's (vLLM merges them)."""
         side = self._worker or self._sched
         stats = {} if side is None else side.stats()
         return KvpushStats(data=stats) if stats else None

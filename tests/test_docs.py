@@ -1,7 +1,7 @@
 """The documentation cannot drift from the code.
 
 docs/protocol.md embeds every machine of ``kvpush.protocol._tables`` twice: as
-``render_markdown`` renders it (each row with its effects and the timers armed
+``render_markdown`` (here) renders it (each row with its effects and the timers armed
 after it), and as a mermaid state diagram generated here from the same table.
 Both live between marker comments (``<!-- table:NAME -->`` ... ``<!-- end -->``
 and ``<!-- diagram:NAME -->`` ... ``<!-- end -->``); this test regenerates them
@@ -17,6 +17,7 @@ After changing a table, regenerate the blocks with::
 
 from __future__ import annotations
 
+import enum
 import re
 import sys
 from pathlib import Path
@@ -25,14 +26,35 @@ from typing import Any
 import pytest
 
 from kvpush.protocol import _tables
-from kvpush.protocol._machine import Machine
-from kvpush.protocol._tables import render_markdown
+from kvpush.protocol._machine import Machine, Row
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PROTOCOL = DOCS / "protocol.md"
 
 Table = Machine[Any, Any]
+
+
+def render_markdown(machine: Table) -> str:
+    """Render a machine as a Markdown table (used by docs/protocol.md): its
+    rows state by state, the inputs a state stays in with no effect on one
+    line, and the timers armed after each row (those of the next state)."""
+
+    def line(state: enum.Enum, inputs: str, row: Row[Any]) -> str:
+        effects = ", ".join(f"`{e}`" for e in row.effects) or "-"
+        timers = ", ".join(f"`{k.name}`" for k, _ in machine.timers.get(row.next, ())) or "-"
+        return f"| `{state.name}` | {inputs} | `{row.next.name}` | {effects} | {timers} |"
+
+    lines = ["| state | input | next state | effects | timers |", "|---|---|---|---|---|"]
+    for state in type(next(iter(machine))[0]):
+        stays = machine.stays.get(state, ())
+        for (s, inp), row in machine.rows.items():
+            if s is state and inp not in stays:
+                lines.append(line(s, f"`{inp.name}`", row))
+        if stays:
+            lines.append(line(state, ", ".join(f"`{i.name}`" for i in stays), Row(state)))
+    return "\n".join(lines)
+
 
 #: The tables docs/protocol.md renders, by the name used in its markers.
 TABLES: dict[str, Table] = {

@@ -278,8 +278,10 @@ def test_the_explorer_catches_an_increment_written_after_a_withdraw(
     """Seeded bug: increments keep going to an epoch the consumer withdrew."""
 
     def blind(self: Producer, rec: Any, pair: Any) -> bool:
-        return rec.src is not None and pair not in rec.committed and (
-            not rec.partial or rec.sent.get(pair) != tuple(map(len, rec.src))
+        return (
+            rec.src is not None
+            and pair not in rec.committed
+            and (not rec.partial or rec.sent.get(pair) != tuple(map(len, rec.src)))
         )
 
     monkeypatch.setattr(Producer, "_next_increment", blind)

@@ -15,7 +15,7 @@ from kvpush.protocol import (
     Settled,
     StartRead,
 )
-from kvpush.testing import World, WorldConfig
+from kvpush.testing import ProtocolMachine, World, WorldConfig
 
 
 def _index(world: World, kind: type, epoch: int | None = None) -> int:
@@ -305,3 +305,36 @@ def test_a_pull_read_resumed_past_the_lent_quarantine_is_never_ready() -> None:
     w = m.world
     assert w.checker.res[("t0", 2)].tainted
     assert "t0" not in w.ready
+
+
+def _replay_stop_after_a_lost_connection(producer_pp: int, cancel: bool) -> None:
+    """The two cases ``make long`` drew (2026-12-06): a push write posted, the
+    connection lost and seen, then the prefill stopped 20 s before its hello
+    was answered. The decode, not seeing it connected, took it as gone at the
+    quarantine (the documented A2 case); the model had made the write unbounded
+    all the same, and landed it in the released blocks (I1)."""
+    m = ProtocolMachine()
+    m.setup(
+        config=WorldConfig(
+            producer_pp=producer_pp, num_kv_heads=12, max_transit=1.0, op_bound=2.0,
+            ready_timeout=5.0, kv_hold_timeout=3.0, tombstone_ttl=5.0,
+            blocks_per_transfer=2, pool_blocks=64,
+        )
+    )  # fmt: skip
+    for _ in range(4):
+        m.ack(i=0)  # before any op: nothing to land
+    m.reserve(mode=Mode.PUSH, tid="t0")
+    m.deliver(i=0)
+    m.kv_increment(tid="t0")
+    m.reconnect(coin=0, detected=True)
+    m.progress(picks=[producer_pp + 1])  # posts the write
+    m.stall(coin=0, gap=20.0, who="prefill")
+    if cancel:
+        m.cancel(i=1)
+    m.ack(i=0)
+    m.teardown()
+
+
+def test_a_prefill_stopped_after_losing_its_connection_is_not_unbounded() -> None:
+    _replay_stop_after_a_lost_connection(producer_pp=1, cancel=False)
+    _replay_stop_after_a_lost_connection(producer_pp=2, cancel=True)

@@ -3,7 +3,7 @@
 Inputs whose meaning depends on a guard (e.g. "the last expected completion")
 are distinct input members, so the table alone says how state moves and what
 it does; the endpoints compute which input applies and define the effects.
-``docs/protocol.md`` renders these tables (``render_markdown``).
+``docs/protocol.md`` shows these tables (``tests/test_docs.py`` renders them).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ __all__ = (
     "PeerInput",
     "PeerState",
     "Timer",
-    "render_markdown",
 )
 
 
@@ -478,24 +477,3 @@ PRODUCER: Machine[PState, PInput] = Machine(
         Timer.QUARANTINE: _Q.QUARANTINE,
     },
 )
-
-
-def render_markdown(machine: Machine[Any, Any]) -> str:
-    """Render a machine as a Markdown table (used by docs/protocol.md): its
-    rows state by state, the inputs a state stays in with no effect on one
-    line, and the timers armed after each row (those of the next state)."""
-
-    def line(state: enum.Enum, inputs: str, row: Row[Any]) -> str:
-        effects = ", ".join(f"`{e}`" for e in row.effects) or "-"
-        timers = ", ".join(f"`{k.name}`" for k, _ in machine.timers.get(row.next, ())) or "-"
-        return f"| `{state.name}` | {inputs} | `{row.next.name}` | {effects} | {timers} |"
-
-    lines = ["| state | input | next state | effects | timers |", "|---|---|---|---|---|"]
-    for state in type(next(iter(machine))[0]):
-        stays = machine.stays.get(state, ())
-        for (s, inp), row in machine.rows.items():
-            if s is state and inp not in stays:
-                lines.append(line(s, f"`{inp.name}`", row))
-        if stays:
-            lines.append(line(state, ", ".join(f"`{i.name}`" for i in stays), Row(state)))
-    return "\n".join(lines)

@@ -1,7 +1,5 @@
-"""The anyio runtime that pumps the sans-IO core: the pumps, the control
-channel, the data plane and its planner, the transport interface and registry,
-a synchronous facade and metrics (docs/runtime.md, "Pieces"). It imports the
-core and nothing above it (docs/architecture.md)."""
+"""The anyio runtime that pumps the sans-IO core (docs/runtime.md, "Pieces"):
+it imports the core and nothing above it (docs/architecture.md)."""
 
 from __future__ import annotations
 

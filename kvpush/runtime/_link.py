@@ -9,14 +9,8 @@ out; :meth:`Link.next_deadline` and :meth:`Link.handle_timer` are its timer.
 An input its :data:`TABLE` lacks raises :class:`LocalProtocolError` (the
 caller classifies whatever the network does into inputs the table has).
 
-Losing is a timer, not only a state. A routed peer redials at once when its
-connection drops and keeps dialing through the loss window, so the window
-(``Timer.LOSS``, armed by the drop, cancelled by the next adoption) runs
-across DIALING, PREAMBLE and BACKOFF; the LOSING state is an unrouted peer
-waiting for the peer to dial back. A peer is *up* (between ``REPORT_UP`` and
-``REPORT_LOST``) while UP or while that window runs.
-
-The rules the rows encode, and why: docs/runtime.md, "The control channel".
+The rules the rows encode, and why (losing is a timer too): docs/runtime.md,
+"The control channel".
 Only the channel feeds a link, one dial at a time, so a dial's results reach
 it in the order sent.
 """

@@ -1,13 +1,6 @@
-"""The shared-memory transport: :class:`ShmTransport`, one POSIX shared-memory
-segment per rank, for processes on one machine (the demo's ``--transport
-memory``, the runtime's tests).
-
-A transport like ``kvpush_nixl``, one layer above the runtime: it implements
-:class:`kvpush.runtime.Transport` and registers itself as ``shm`` in the
-``kvpush.transports`` registry (:data:`TRANSPORT`). :class:`Segment` maps a
-named segment without a transport (the demo registers the rank segments with
-NIXL through it). See docs/runtime.md and docs/architecture.md.
-"""
+"""The shared-memory transport for processes on one machine: :class:`ShmTransport`
+(one POSIX segment per rank, registered as ``shm`` in ``kvpush.transports``) and
+:class:`Segment` (a named segment without a transport). docs/runtime.md."""
 
 from __future__ import annotations
 

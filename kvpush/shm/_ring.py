@@ -93,11 +93,7 @@ def posix_shm() -> Any:
 
 
 class Segment:
-    """One named shared-memory object, mapped whole (see the module docs).
-
-    ``owner`` segments were created here and are unlinked by :meth:`unlink`;
-    attached ones are only unmapped.
-    """
+    """One named shared-memory object, mapped whole; only an ``owner`` unlinks it."""
 
     __slots__ = ("_array", "_map", "_unlinked", "name", "owner", "size")
 
@@ -247,7 +243,7 @@ class _Ring:
     def name(self) -> str:
         return self.segment.name
 
-    def _release(self) -> None:
+    def _release(self) -> None:  # drop the views into the mapping
         self._idx = np.zeros(_HEADER // 8, dtype=np.uint64)
         self._data = np.zeros(0, dtype=np.uint8)
 
@@ -269,7 +265,6 @@ class RingWriter(_Ring):
         arr[:8] = np.frombuffer(_RING_MAGIC, dtype=np.uint8)  # last: the ring is ready
 
     def free(self) -> int:
-        """Bytes the writer may append now."""
         used = int(self._idx[_OFF_WRITE]) - int(self._idx[_OFF_READ])
         if not 0 <= used <= self.capacity:
             raise TransportError(f"mailbox {self.name!r} is corrupt (used {used})")
@@ -280,8 +275,7 @@ class RingWriter(_Ring):
         return (_REC.size + payload + 16 * rows + 7) & ~7
 
     def append(self, payload: bytes, crc: int | None, rows: U64 | None) -> int:
-        """Write one record and publish it; returns its sequence number. The
-        caller checked :meth:`free` (a single producer: space only grows)."""
+        """Publish one record; the caller checked :meth:`free` (space only grows)."""
         nrows = 0 if rows is None else int(rows.shape[0])
         size = self.record_size(len(payload), nrows)
         flags = 0 if crc is None else _FLAG_CRC
@@ -303,8 +297,7 @@ class RingWriter(_Ring):
         return seq
 
     def close(self) -> None:
-        """Mark the ring closed (the reader detaches after draining), unlink it
-        and unmap it. Idempotent."""
+        """Mark the ring closed (the reader detaches after draining); idempotent."""
         if not self.segment.closed:
             self._idx[_OFF_CLOSED] = 1
             self._release()
@@ -327,11 +320,10 @@ class RingReader(_Ring):
         arr = segment.array
         ok = segment.size > _HEADER and bytes(arr[:8]) == _RING_MAGIC
         capacity = int(arr[:_HEADER].view(np.uint64)[_OFF_CAPACITY // 8]) if ok else 0
+        del arr
         if not ok or capacity != segment.size - _HEADER:
-            del arr
             segment.close()
             return None
-        del arr
         return cls(segment, capacity)
 
     @property

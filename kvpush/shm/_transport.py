@@ -17,6 +17,7 @@ polled. Refusals are :class:`TransportError`, raised before anything is copied.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import secrets
 import time
@@ -173,7 +174,7 @@ class ShmTransport:
         self._peers: dict[str, _Peer] = {}
         self._posted: dict[int, str] = {}
         self._failed: list[Completed] = []
-        self._next_handle = 1
+        self._handles = itertools.count(1)
         self._layout: KVLayout | None = None
         self._closed = False
         self._failure: str | None = None
@@ -201,7 +202,6 @@ class ShmTransport:
 
     @property
     def agent(self) -> str:
-        """This rank's transport name."""
         return self._agent
 
     @property
@@ -211,7 +211,6 @@ class ShmTransport:
 
     @property
     def size(self) -> int:
-        """Bytes of this rank's KV segment."""
         return self._segment.size
 
     @property
@@ -222,7 +221,6 @@ class ShmTransport:
 
     @property
     def peers(self) -> tuple[str, ...]:
-        """The agents currently attached."""
         return tuple(self._peers)
 
     @property
@@ -230,8 +228,7 @@ class ShmTransport:
         return self._verify
 
     def register(self, layout: KVLayout) -> None:
-        """Check that every region of ``layout`` is DRAM, device 0, and inside
-        the segment. A second call must pass an equal layout."""
+        """Check that ``layout`` is DRAM, device 0, inside the segment, and unchanged."""
         self._check_open()
         if not isinstance(layout, KVLayout):
             raise TransportError(f"register needs a KVLayout, got {type(layout).__name__}")
@@ -266,10 +263,8 @@ class ShmTransport:
         return packed
 
     def add_peer(self, metadata: bytes, layout: KVLayout | None = None) -> str:
-        """Attach a peer's segment and create our mailbox to it; returns its
-        agent. The same instance again is a no-op; a new instance of a known
-        agent replaces the old attachment (its posted transfers fail).
-        ``layout`` is not needed: offsets address the peer's segment."""
+        """Attach a peer's segment, create our mailbox to it; returns its agent.
+        A new instance of a known agent replaces it (its posted transfers fail)."""
         self._check_usable()
         info = _decode_metadata(metadata)
         old = self._peers.get(info.agent)
@@ -335,12 +330,11 @@ class ShmTransport:
         return self._post(agent)
 
     def _queue(self, agent: str, op: _Op) -> int:
-        """Put ``op`` on the modelled link; :meth:`_deliver` carries it out when due."""
         assert self._rate is not None
         nbytes = int(op.local[:, 1].sum()) if op.local.shape[0] else 0
         due = max(time.monotonic(), self._link_free) + nbytes / self._rate
         self._link_free = due
-        handle = self._new_handle()
+        handle = next(self._handles)
         self._queued.append((due, handle, agent, op))
         return handle
 
@@ -404,8 +398,7 @@ class ShmTransport:
         return completed, notices
 
     def close(self) -> None:
-        """Detach every peer, unlink our mailboxes and (if created here) our
-        segment, and unmap. Idempotent."""
+        """Detach every peer, unlink what we created, unmap; idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -445,13 +438,9 @@ class ShmTransport:
         return rows_a, rows_b
 
     def _post(self, agent: str) -> int:
-        handle = self._new_handle()
+        handle = next(self._handles)
         self._posted[handle] = agent
         return handle
-
-    def _new_handle(self) -> int:
-        self._next_handle += 1
-        return self._next_handle - 1
 
     def _drop(self, peer: _Peer, reason: str) -> None:
         agent = peer.info.agent

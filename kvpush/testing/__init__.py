@@ -13,9 +13,7 @@ from __future__ import annotations
 try:
     import hypothesis  # noqa: F401
 except ImportError as exc:  # pragma: no cover - only without the extra
-    raise ImportError(
-        "kvpush.testing needs hypothesis: pip install 'kvpush[testing]'"
-    ) from exc
+    raise ImportError("kvpush.testing needs hypothesis: pip install 'kvpush[testing]'") from exc
 
 from ._fakes import FakeClock, FakeNetwork, InFlight
 from ._invariants import InvariantChecker, InvariantViolation

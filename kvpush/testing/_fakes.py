@@ -76,9 +76,7 @@ class FakeNetwork(Generic[T]):
         """Drop every message older than ``max_transit``; return how many.
         ``spare``: keep those addressed to it (they already reached its kernel:
         a stalled process reads them late, nobody drops them)."""
-        keep = [
-            m for m in self.queue if now - m.sent_at <= self.max_transit or m.dst == spare
-        ]
+        keep = [m for m in self.queue if now - m.sent_at <= self.max_transit or m.dst == spare]
         gone = len(self.queue) - len(keep)
         self.queue = keep
         self.dropped += gone

@@ -331,9 +331,13 @@ class World:
             return False
         me = self.producer if who == P else self.consumer
         mine = StartWrite if who == P else StartRead
+        # A producer the consumer does not see connected is taken as gone at the
+        # quarantine: its writes rest on A2 (docs/protocol.md, timing), so only a
+        # stop of a connected one leaves them unbounded.
+        connected = who == D or self.consumer.peer(P).state is PeerState.READY
         for op in self.ops:
             if op.posted_at is not None and isinstance(op.action, mine) and not op.orphan:
-                op.unbounded = True
+                op.unbounded = op.unbounded or connected
         target = self.clock.now + gap
         for _ in range(100_000):
             other = self.consumer.next_deadline() if who == P else None
