@@ -156,7 +156,7 @@ class KvpushProbeConnector(KvpushConnector):
         stem = self._dump / f"{role}-{tid}-r{rank}"
         np.save(f"{stem}.tmp.npy", tiles)
         Path(f"{stem}.json").write_text(
-            json.dumps({"tokens": n, "skip": skip, "block_size": self._block_size})
+            json.dumps({"tokens": n, "skip": skip, "block_size": self._tokens_per_block})
         )
         os.replace(f"{stem}.tmp.npy", f"{stem}.npy")
 
